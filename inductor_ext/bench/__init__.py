@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m inductor_ext.bench <op>`` (needs a CUDA GPU)."""

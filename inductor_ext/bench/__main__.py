@@ -1,0 +1,45 @@
+"""``python -m inductor_ext.bench rms_norm [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from inductor_ext.bench import harness
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", description=__doc__)
+    parser.add_argument("op", choices=["rms_norm"])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON and PNG")
+    parser.add_argument("--shapes", nargs="*", default=None, help="MxN shapes (default: the op's list)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("benchmarks need a CUDA GPU")
+    from inductor_ext.bench import rms_norm as bench
+
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else bench.SHAPES
+    dtype = getattr(torch, args.dtype)
+    copy_gbps = harness.copy_bandwidth_gbps()
+    results = bench.run(shapes, dtype, copy_gbps)
+    overhead = bench.host_overhead_us()
+    extra = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_gbps": copy_gbps,
+        "host_overhead": overhead,
+    }
+    stem = f"{args.op}_{args.dtype}"
+    harness.write_results(results, extra, args.out, stem)
+    harness.plot(results, args.out / f"{stem}.png", f"{args.op} {args.dtype}")
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
+    print(harness.table(results))
+    print(json.dumps(overhead, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

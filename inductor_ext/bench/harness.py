@@ -1,0 +1,140 @@
+"""Side-by-side benchmark harness: median time, GB/s over minimal bytes, fraction of copy bandwidth.
+
+Every provider of one op runs in the same process and on the same inputs; the
+copy bandwidth is measured in the same run (a 2 GiB device-to-device copy,
+bytes read plus bytes written). Inputs are rotated among several copies when
+one set would fit in L2.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Inputs = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """A way to run the op: ``build(inputs) -> zero-arg callable`` that runs it once."""
+
+    name: str
+    build: Callable[[Inputs], Callable[[], Any]]
+
+
+@dataclasses.dataclass
+class Result:
+    op: str
+    mode: str
+    shape: str
+    dtype: str
+    provider: str
+    ms: float
+    ms_min: float
+    ms_max: float
+    gbps: float
+    copy_fraction: float
+    speedup_vs_compile: float = float("nan")
+
+
+def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile) ms with CUDA events, via ``triton.testing.do_bench``."""
+    import triton.testing
+
+    qs = triton.testing.do_bench(fn, warmup=50, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return qs[0], qs[1], qs[2]
+
+
+def copy_bandwidth_gbps(gib: float = 2.0) -> float:
+    """Measured device-to-device copy bandwidth (read + write bytes), GB/s."""
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _, _ = do_bench_median(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n * 4 / ms / 1e6
+
+
+def rotation_count(bytes_per_set: int) -> int:
+    """Copies of the inputs needed so that one sweep exceeds twice the L2 cache."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    return max(1, math.ceil(2 * l2 / max(bytes_per_set, 1)))
+
+
+def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
+    state = {"i": 0}
+
+    def run() -> Any:
+        state["i"] = (state["i"] + 1) % len(calls)
+        return calls[state["i"]]()
+
+    return run
+
+
+def run_providers(
+    op: str,
+    mode: str,
+    shape: str,
+    dtype: torch.dtype,
+    make_inputs: Callable[[], Inputs],
+    min_bytes: int,
+    providers: Sequence[Provider],
+    copy_gbps: float,
+    baseline: str,
+) -> list[Result]:
+    sets = [make_inputs() for _ in range(rotation_count(min_bytes))]
+    results = []
+    for p in providers:
+        fn = rotating([p.build(inputs) for inputs in sets])
+        ms, lo, hi = do_bench_median(fn)
+        gbps = min_bytes / ms / 1e6
+        results.append(Result(op, mode, shape, str(dtype).removeprefix("torch."), p.name, ms, lo, hi, gbps, gbps / copy_gbps))
+    base = next((r.ms for r in results if r.provider == baseline), float("nan"))
+    for r in results:
+        r.speedup_vs_compile = base / r.ms
+    return results
+
+
+def write_results(results: Sequence[Result], extra: dict[str, Any], out: Path, stem: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [dataclasses.asdict(r) for r in results]
+    (out / f"{stem}.json").write_text(json.dumps({**extra, "results": rows}, indent=1))
+
+
+def table(results: Sequence[Result]) -> str:
+    from tabulate import tabulate
+
+    rows = [
+        (r.mode, r.shape, r.provider, f"{r.ms:.4f}", f"{r.gbps:.0f}", f"{100 * r.copy_fraction:.1f}%", f"{r.speedup_vs_compile:.2f}x")
+        for r in results
+    ]
+    return tabulate(rows, headers=["mode", "shape", "provider", "ms", "GB/s", "of copy", "vs compile"])
+
+
+def plot(results: Sequence[Result], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r.mode for r in results})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rs = [r for r in results if r.mode == mode]
+        shapes = list(dict.fromkeys(r.shape for r in rs))
+        providers = list(dict.fromkeys(r.provider for r in rs))
+        width = 0.8 / len(providers)
+        for i, prov in enumerate(providers):
+            vals = [next((100 * r.copy_fraction for r in rs if r.shape == s and r.provider == prov), 0) for s in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=prov)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=15)
+        ax.set_ylabel("% of measured copy bandwidth")
+        ax.set_title(f"{title}: {mode}")
+        ax.axhline(100, color="grey", lw=0.5)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

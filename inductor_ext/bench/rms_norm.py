@@ -1,0 +1,116 @@
+"""RMSNorm benchmark: HF eager, torch.compile of it, fastops eager, fastops under torch.compile.
+
+Minimal bytes (bf16, weight ignored): forward reads x and writes y (2·M·N·s);
+forward+backward adds reading x and dy and writing dx (5·M·N·s). The backward
+is timed through ``torch.autograd.grad`` so no gradient accumulation is counted.
+"""
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
+
+SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384), (65536, 2048)]
+EPS = 1e-6
+
+
+def _make_inputs(m: int, n: int, dtype: torch.dtype) -> Callable[[], Inputs]:
+    def make() -> Inputs:
+        x = torch.randn(m, n, device="cuda", dtype=dtype, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(n, device="cuda", dtype=dtype)).requires_grad_()
+        return {"x": x, "w": w, "dy": torch.randn(m, n, device="cuda", dtype=dtype)}
+
+    return make
+
+
+def _fwd(f: Callable[..., torch.Tensor]) -> Callable[[Inputs], Callable[[], Any]]:
+    def build(inp: Inputs) -> Callable[[], Any]:
+        x, w = inp["x"].detach(), inp["w"].detach()
+        return lambda: f(x, w, EPS)
+
+    return build
+
+
+def _fwd_bwd(f: Callable[..., torch.Tensor]) -> Callable[[Inputs], Callable[[], Any]]:
+    def build(inp: Inputs) -> Callable[[], Any]:
+        x, w, dy = inp["x"], inp["w"], inp["dy"]
+        return lambda: torch.autograd.grad(f(x, w, EPS), (x, w), dy)
+
+    return build
+
+
+def providers(mode: str) -> list[Provider]:
+    wrap = _fwd if mode == "fwd" else _fwd_bwd
+    compiled_ref = torch.compile(rms_norm_ref, fullgraph=True)
+    compiled_ours = torch.compile(rms_norm, fullgraph=True)
+    return [
+        Provider("hf_eager", wrap(rms_norm_ref)),
+        Provider("torch_compile", wrap(compiled_ref)),
+        Provider("fastops_eager", wrap(rms_norm)),
+        Provider("fastops_compile", wrap(compiled_ours)),
+    ]
+
+
+def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:
+    results = []
+    es = torch.finfo(dtype).bits // 8
+    for mode, factor in (("fwd", 2), ("fwd_bwd", 5)):
+        for m, n in shapes:
+            torch._dynamo.reset()
+            results += run_providers(
+                "rms_norm", mode, f"{m}x{n}", dtype, _make_inputs(m, n, dtype), factor * m * n * es,
+                providers(mode), copy_gbps, baseline="torch_compile",
+            )  # fmt: skip
+    return results
+
+
+def host_overhead_us(n: int = 4096, calls: int = 2000) -> dict[str, float]:
+    """Host µs per eager fwd+bwd call on a tiny input: ours vs a bare autograd.Function around the same launches."""
+    from inductor_ext.ops._library import DirectLaunch
+    from inductor_ext.ops.rms_norm import rms_norm_bwd_kernels, rms_norm_fwd_kernels
+
+    launch = DirectLaunch()
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            y, rstd = rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama")
+            ctx.save_for_backward(x, w, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x, w, rstd = ctx.saved_tensors
+            return rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
+
+    x = torch.randn(4, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    out = {}
+    for name, f in (("bare_autograd_function", Bare.apply), ("fastops_eager", lambda x, w: rms_norm(x, w, EPS))):
+        for grad in (False, True):
+            def step() -> None:
+                if grad:
+                    torch.autograd.grad(f(x, w), (x, w), dy)
+                else:
+                    with torch.no_grad():
+                        f(x, w)
+
+            for _ in range(50):
+                step()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+            out[f"{name}{'_grad' if grad else ''}_us"] = best
+    out["ratio_no_grad"] = out["fastops_eager_us"] / out["bare_autograd_function_us"]
+    out["ratio_grad"] = out["fastops_eager_grad_us"] / out["bare_autograd_function_grad_us"]
+    return out

@@ -1,0 +1,1 @@
+"""The ``fastops_inductor`` torch.compile backend."""

@@ -1,0 +1,34 @@
+"""``torch.compile(model, backend="fastops_inductor")``.
+
+Foundation version: Inductor's ``compile_fx`` with the fastops decompositions
+merged into Inductor's table, so fastops ops are lowered to Inductor's own
+generated code (reductions) instead of our hand kernels. Pattern rewrites,
+per-op route choice and cache keys come with the backend issue; until then this
+backend is *not* a tuned route and ``torch.compile``'s default backend already
+runs our hand kernels.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._dynamo import register_backend
+
+from inductor_ext.ops._library import DECOMPOSITIONS
+
+
+@register_backend(name="fastops_inductor")  # type: ignore[misc]
+def fastops_inductor(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    from torch._decomp import select_decomp_table
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {**list_mode_options(mode), **(options or {})}
+    decompositions = {**select_decomp_table(), **DECOMPOSITIONS}
+    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)

@@ -1,0 +1,206 @@
+"""The op recipe, done once: every fastops op family is built by :func:`define_op_family`.
+
+A family is a forward and a backward ``torch.library.triton_op`` in the ``fastops``
+namespace, wired with ``register_autograd``, plus an eager bypass:
+
+* Eager (not compiling, plain tensors): the public function calls an
+  ``autograd.Function`` that launches the Triton kernels directly. Host cost per
+  call measured on the H200 (torch 2.11, tiny launch, no grad): raw launch 16.8 µs,
+  autograd.Function 21.1 µs, custom_op 29.2 µs, triton_op 52.2 µs.
+* ``torch.compile`` / ``torch.export`` / any tracing mode: the registered ops,
+  whose bodies Inductor traces (so ``cpp_wrapper`` and AOTInductor compile the
+  Triton kernels in).
+
+Each op body starts with a CPU branch that computes the same math in aten ops:
+``register_kernel("cpu", ...)`` is ignored under ``torch.compile`` (the body is
+traced whatever the device), so the branch must live inside the body. That
+branch is what makes compile, ``cpp_wrapper`` and AOTInductor work on CPU.
+
+The same aten math is registered in :data:`DECOMPOSITIONS` for the
+``fastops_inductor`` backend's Inductor route.
+"""
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import triton
+from torch._ops import OpOverload
+from torch.library import triton_op, wrap_triton
+
+NAMESPACE = "fastops"
+
+DECOMPOSITIONS: dict[OpOverload, Callable[..., Any]] = {}
+"""fastops op overload -> aten-only implementation, merged into Inductor's table by the backend."""
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels then run on CPU tensors (how CI checks them)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+
+Grid = Callable[[dict[str, Any]], tuple[int, ...]]
+
+
+class TraceableLaunch:
+    """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel."""
+
+    def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
+        wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+class DirectLaunch:
+    """Launches straight from Python, for the eager bypass.
+
+    On CUDA the first launch per autotune key runs Triton's autotuner; later ones
+    launch the tuned config's JIT function directly (skipping the autotuner's
+    per-call bookkeeping). Under the interpreter, where the autotuner cannot
+    benchmark, it launches :attr:`forced_config` or else the first pruned config.
+    """
+
+    forced_config: dict[str, Any] | None = None
+    _tuned: dict[tuple[Any, ...], triton.Config] = {}
+
+    def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
+        if self.forced_config is not None or interpreter_enabled():
+            config = self.forced_config or self._first_valid_config(kernel, args, kwargs)
+            meta = {**kwargs, **config}
+            kernel.fn[grid(meta)](*args, **meta)
+            return
+        named = dict(zip(kernel.arg_names, args))
+        key = (kernel, *(named[k] for k in kernel.keys), *(getattr(a, "dtype", None) for a in args))
+        config = self._tuned.get(key)
+        if config is None:
+            kernel[grid](*args, **kwargs)
+            self._tuned[key] = kernel.best_config
+            return
+        meta = {**kwargs, **config.all_kwargs()}
+        kernel.fn[grid(meta)](*args, **meta)
+
+    @staticmethod
+    def _first_valid_config(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
+        configs = kernel.configs
+        if kernel.early_config_prune is not None:
+            configs = kernel.early_config_prune(configs, named)
+        return configs[0].all_kwargs()
+
+
+Launch = TraceableLaunch | DirectLaunch
+
+
+@contextlib.contextmanager
+def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
+    """Make eager launches use ``config`` (a Triton config's kwargs, plus ``num_warps``) instead of tuning."""
+    previous = DirectLaunch.forced_config
+    DirectLaunch.forced_config = config
+    try:
+        yield
+    finally:
+        DirectLaunch.forced_config = previous
+
+
+def use_eager_bypass(*tensors: torch.Tensor | None) -> bool:
+    """Launch directly unless something is tracing: compile/export, a dispatch mode, tensor subclasses."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFamily:
+    """A forward/backward pair of registered ops and the eager bypass around them."""
+
+    fwd: OpOverload
+    bwd: OpOverload
+    eager: type[torch.autograd.Function]
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the forward with autograd, bypassing the dispatcher in plain eager."""
+        if use_eager_bypass(*(a for a in args if isinstance(a, torch.Tensor))):
+            return self.eager.apply(*args)
+        return self.fwd(*args)
+
+
+def define_op_family(
+    name: str,
+    *,
+    fwd_math: Callable[..., Any],
+    fwd_kernels: Callable[..., Any],
+    bwd_math: Callable[..., Any],
+    bwd_kernels: Callable[..., Any],
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None],
+    backward: Callable[..., tuple[Any, ...]],
+) -> OpFamily:
+    """Register ``fastops::{name}_fwd`` and ``fastops::{name}_bwd`` and wire autograd.
+
+    * ``*_math(*args)``: aten-only implementation (CPU branch and decomposition). Its
+      annotated signature is the op's schema.
+    * ``*_kernels(launch, *args)``: same signature after ``launch``; allocates outputs and
+      launches Triton kernels through ``launch`` (traceable inside ops, direct in eager).
+    * ``setup_context(ctx, inputs, output)``: saves what the backward needs.
+    * ``backward(ctx, bwd, *grads)``: returns input grads, computing them with ``bwd``
+      (the registered backward op, or its eager twin, called with ``bwd_math``'s signature).
+    """
+    fwd_op = _define_op(f"{name}_fwd", fwd_math, fwd_kernels)
+    bwd_op = _define_op(f"{name}_bwd", bwd_math, bwd_kernels)
+
+    def _run_bwd_direct(*args: Any) -> Any:
+        return _run_direct(bwd_math, bwd_kernels, args)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(*args: Any) -> Any:
+            return _run_direct(fwd_math, fwd_kernels, args)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, _run_bwd_direct, *grads)
+
+    Eager.__name__ = Eager.__qualname__ = f"{name}_eager"
+    torch.library.register_autograd(
+        fwd_op,
+        lambda ctx, *grads: backward(ctx, bwd_op, *grads),
+        setup_context=setup_context,
+    )
+    DECOMPOSITIONS[fwd_op] = fwd_math
+    DECOMPOSITIONS[bwd_op] = bwd_math
+    return OpFamily(fwd_op, bwd_op, Eager)
+
+
+_DIRECT = DirectLaunch()
+_TRACEABLE = TraceableLaunch()
+
+
+def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    return next(a for a in args if isinstance(a, torch.Tensor))
+
+
+def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any], args: Sequence[Any]) -> Any:
+    x = _first_tensor(args)
+    if x.numel() == 0 or not kernels_run_on(x.device):
+        return math(*args)
+    return kernels(_DIRECT, *args)
+
+
+def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., Any]) -> OpOverload:
+    @functools.wraps(math)
+    def body(*args: Any) -> Any:
+        x = _first_tensor(args)
+        if x.device.type != "cuda" or x.numel() == 0:
+            return math(*args)
+        return kernels(_TRACEABLE, *args)
+
+    triton_op(f"{NAMESPACE}::{qualname}", body, mutates_args=())
+    return getattr(getattr(torch.ops, NAMESPACE), qualname).default

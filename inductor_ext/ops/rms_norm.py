@@ -1,0 +1,199 @@
+"""RMSNorm: ``torch.ops.fastops.rms_norm_fwd`` / ``rms_norm_bwd`` and :func:`rms_norm`.
+
+Schemas::
+
+    fastops::rms_norm_fwd(Tensor x, Tensor? weight, float eps, float offset, str casting)
+        -> (Tensor y, Tensor rstd)
+    fastops::rms_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float offset, str casting)
+        -> (Tensor dx, Tensor dw)
+
+``x`` is 2-D ``(M, N)`` with unit stride along N (the public function flattens
+leading dims before the autograd boundary); ``rstd`` is fp32 ``(M,)``; ``dw`` has
+the weight's dtype, or shape ``(0,)`` when there is no weight. The math is in the
+docstring of :mod:`inductor_ext.kernels.rms_norm`.
+"""
+
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+from inductor_ext.ops._library import Launch, define_op_family, interpreter_enabled
+
+CASTINGS = ("llama", "gemma")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _out_dtype(x: Tensor, weight: Tensor | None, casting: str) -> torch.dtype:
+    """HF LlamaRMSNorm returns ``weight * h.to(x.dtype)`` (promoted); Gemma returns x's dtype."""
+    if weight is None or casting == "gemma":
+        return x.dtype
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+def _scale_math(xhat: Tensor, x_dtype: torch.dtype, weight: Tensor | None, offset: float, casting: str) -> Tensor:
+    if weight is None:
+        return xhat
+    w_eff = weight.float() + offset
+    if casting == "gemma":
+        return xhat * w_eff
+    return xhat.to(x_dtype).float() * w_eff
+
+
+def rms_norm_fwd_math(x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
+    """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    y = _scale_math(xf * rstd.unsqueeze(-1), x.dtype, weight, offset, casting)
+    return y.to(_out_dtype(x, weight, casting)), rstd
+
+
+def rms_norm_bwd_math(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    """Aten-only backward: dx = rstd * (g - xhat * mean(g * xhat)), dw = sum_rows(dy * xhat)."""
+    xhat = x.float() * rstd.unsqueeze(-1)
+    dyf = dy.float()
+    g = dyf if weight is None else dyf * (weight.float() + offset)
+    dx = rstd.unsqueeze(-1) * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if weight is None:
+        dw = x.new_empty((0,), dtype=torch.float32)
+    else:
+        dw = (dyf * xhat).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), dw
+
+
+def _bwd_programs(x: Tensor) -> int:
+    """Programs of the backward launch = fp32 dw partial rows (a few per SM keeps it one wave)."""
+    if x.device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
+    return 4  # the interpreter runs programs one after another
+
+
+def rms_norm_fwd_kernels(
+    launch: Launch, x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    M, N = x.shape
+    y = x.new_empty((M, N), dtype=_out_dtype(x, weight, casting))
+    rstd = x.new_empty((M,), dtype=torch.float32)
+    launch(
+        rms_norm_fwd_kernel,
+        lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),),
+        x, weight, y, rstd, x.stride(0), y.stride(0), M, N, eps, offset,
+        HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
+    )  # fmt: skip
+    return y, rstd
+
+
+def rms_norm_bwd_kernels(
+    launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    M, N = x.shape
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    programs = _bwd_programs(x)
+    partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
+    launch(
+        rms_norm_bwd_kernel,
+        lambda meta: (programs,),
+        dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), M, N, offset,
+        HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
+    )  # fmt: skip
+    dw = partial if weight is None else partial.sum(0).to(weight.dtype)
+    return dx, dw
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, _eps, offset, casting = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.casting = offset, casting
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx: Any, bwd: Any, dy: Tensor, _drstd: Tensor | None) -> tuple[Tensor | None, ...]:
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = bwd(dy, x, weight, rstd, ctx.offset, ctx.casting)
+    needs_dw = weight is not None and ctx.needs_input_grad[1]
+    return dx, (dw if needs_dw else None), None, None, None
+
+
+rms_norm_family = define_op_family(
+    "rms_norm",
+    fwd_math=rms_norm_fwd_math,
+    fwd_kernels=rms_norm_fwd_kernels,
+    bwd_math=rms_norm_bwd_math,
+    bwd_kernels=rms_norm_bwd_kernels,
+    setup_context=_setup_context,
+    backward=_backward,
+)
+
+
+def _check_inputs(x: Tensor, weight: Tensor | None, eps: float, casting: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"rms_norm: x must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"rms_norm: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must have at least 1 dimension (the normalised one), got a scalar")
+    if casting not in CASTINGS:
+        raise ValueError(f"rms_norm: casting must be one of {CASTINGS}, got {casting!r}")
+    if not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"rms_norm: weight must be a Tensor or None, got {type(weight).__name__}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"rms_norm: weight must be float32, bfloat16 or float16, got {weight.dtype}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}; both must be on one device")
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
+) -> Tensor:
+    """RMSNorm over the last dimension of ``x``: ``y = x / sqrt(mean(x**2) + eps) * (offset + weight)``.
+
+    Args:
+        x: float32/bfloat16/float16, any leading dims, any strides (copied if the
+            last dim is not unit-stride or the leading dims cannot be flattened).
+        weight: ``(N,)`` or None.
+        eps: added to the mean square.
+        offset: added to the weight in fp32 (Gemma: ``offset=1.0``).
+        casting: ``"llama"`` (normalise in fp32, cast to x's dtype, multiply by the
+            weight; output in the promoted dtype of x and weight, like HF
+            ``LlamaRMSNorm``) or ``"gemma"`` (multiply in fp32, cast to x's dtype once).
+    """
+    _check_inputs(x, weight, eps, casting)
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    y, _rstd = rms_norm_family(x2d, weight, float(eps), float(offset), casting)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def rms_norm_ref(
+    x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
+) -> Tensor:
+    """Plain-PyTorch RMSNorm, the HF spelling (differentiable). With float64 inputs it is the exact reference."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return h.to(x.dtype)
+    if casting == "gemma":
+        return (h * (offset + weight.to(compute))).to(x.dtype)
+    if offset == 0.0:
+        return weight * h.to(x.dtype)
+    return (h.to(x.dtype).to(compute) * (offset + weight.to(compute))).to(_out_dtype(x, weight, casting))
+
+
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_family", "interpreter_enabled"]

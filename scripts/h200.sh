@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One H200 call: install (no network there), GPU tests, benchmark. Results under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -x tests/gpu "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+python3 -m inductor_ext.bench rms_norm --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
