@@ -74,7 +74,7 @@ class DirectLaunch:
             meta = {**kwargs, **config}
             kernel.fn[grid(meta)](*args, **meta)
             return
-        named = dict(zip(kernel.arg_names, args))
+        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
         key = (kernel, *(named[k] for k in kernel.keys), *(getattr(a, "dtype", None) for a in args))
         config = self._tuned.get(key)
         if config is None:
