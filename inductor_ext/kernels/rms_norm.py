@@ -24,6 +24,10 @@ Two strategies per kernel, chosen by autotuning among :func:`search_space`:
 * looped: the row is walked in ``BLOCK_N`` chunks twice (statistics, then
   output), one row per step; used for any N and the only option past
   ``MAX_PERSISTENT_BLOCK`` (N > 32768).
+
+Both kernels run a fixed number of programs (a few per SM) that stride over
+the rows, so per-program state (the weight, the dw partial) is loaded or
+written once per program rather than once per row.
 """
 
 import dataclasses
@@ -130,46 +134,55 @@ def rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
     PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """y = scale(x * rstd), rstd = rsqrt(mean(x**2) + eps); one program per BLOCK_M rows."""
+    """y = scale(x * rstd), rstd = rsqrt(mean(x**2) + eps).
+
+    Programs stride over blocks of BLOCK_M rows (grid = a fixed number of
+    programs), so a persistent program loads the weight once for all its rows.
+    """
     eps = tl.cast(eps, tl.float32)  # Inductor may pass Python floats as fp64
     offset = tl.cast(offset, tl.float32)
     X_DTYPE: tl.constexpr = X.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    x_rows = X + rows[:, None].to(tl.int64) * stride_x
-    y_rows = Y + rows[:, None].to(tl.int64) * stride_y
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_blocks = tl.cdiv(M, BLOCK_M)
     if PERSISTENT:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w_eff = offset
         if HAS_WEIGHT:
             w_eff = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + offset
-        y = _scale(x * rstd[:, None], w_eff, X_DTYPE, HAS_WEIGHT, GEMMA_CASTING)
-        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        # pass 1: sum of squares, chunk by chunk
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < N)[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += x * x
-        rstd = tl.math.rsqrt(tl.sum(acc, axis=1) / N + eps)
-        # pass 2: normalise and write, chunk by chunk
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < N
+        for block in tl.range(pid, num_blocks, num_programs):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < M
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w_eff = offset
-            if HAS_WEIGHT:
-                w_eff = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + offset
+            rows64 = rows[:, None].to(tl.int64)
+            x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
             y = _scale(x * rstd[:, None], w_eff, X_DTYPE, HAS_WEIGHT, GEMMA_CASTING)
-            tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+            tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+    else:
+        for row in tl.range(pid, M, num_programs):
+            x_row = X + tl.cast(row, tl.int64) * stride_x
+            y_row = Y + tl.cast(row, tl.int64) * stride_y
+            # pass 1: sum of squares, chunk by chunk
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N + eps)
+            # pass 2: normalise and write, chunk by chunk
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w_eff = offset
+                if HAS_WEIGHT:
+                    w_eff = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+                y = _scale(x * rstd, w_eff, X_DTYPE, HAS_WEIGHT, GEMMA_CASTING)
+                tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=col_mask)
+            tl.store(RSTD + row, rstd)
 
 
 @triton.autotune(**_AUTOTUNE)

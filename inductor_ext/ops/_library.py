@@ -30,6 +30,7 @@ import torch
 import triton
 from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
+from triton.runtime.autotuner import Autotuner
 
 NAMESPACE = "fastops"
 
@@ -37,16 +38,24 @@ DECOMPOSITIONS: dict[OpOverload, Callable[..., Any]] = {}
 """fastops op overload -> aten-only implementation, merged into Inductor's table by the backend."""
 
 
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET=1``: kernels then run on CPU tensors (how CI checks them)."""
-    return bool(triton.knobs.runtime.interpret)
+    """True when ``TRITON_INTERPRET=1`` at import (as for ``@triton.jit``): kernels then run on CPU tensors."""
+    return _INTERPRET
 
 
 def kernels_run_on(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
 
 
 Grid = Callable[[dict[str, Any]], tuple[int, ...]]
+
+
+@functools.cache
+def sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class TraceableLaunch:
@@ -60,29 +69,46 @@ class DirectLaunch:
     """Launches straight from Python, for the eager bypass.
 
     On CUDA the first launch per autotune key runs Triton's autotuner; later ones
-    launch the tuned config's JIT function directly (skipping the autotuner's
-    per-call bookkeeping). Under the interpreter, where the autotuner cannot
-    benchmark, it launches :attr:`forced_config` or else the first pruned config.
+    launch the tuned config's JIT function directly, skipping the autotuner's
+    per-call bookkeeping (the bypass exists to save host time). Under the
+    interpreter, where the autotuner cannot benchmark, it launches
+    :attr:`forced_config` or else the first pruned config (the heuristic's pick).
     """
 
     forced_config: dict[str, Any] | None = None
-    _tuned: dict[tuple[Any, ...], triton.Config] = {}
+    _tuned: dict[tuple[Any, ...], dict[str, Any]] = {}
+    _key_positions: dict[Any, tuple[list[int], list[str]]] = {}
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        if self.forced_config is not None or interpreter_enabled():
-            config = self.forced_config or self._first_valid_config(kernel, args, kwargs)
-            meta = {**kwargs, **config}
-            kernel.fn[grid(meta)](*args, **meta)
+        if not isinstance(kernel, Autotuner):
+            kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
             return
-        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
-        key = (kernel, *(named[k] for k in kernel.keys), *(getattr(a, "dtype", None) for a in args))
-        config = self._tuned.get(key)
-        if config is None:
+        if self.forced_config is not None or _INTERPRET:
+            meta = {**kwargs, **(self.forced_config or self._first_valid_config(kernel, args, kwargs))}
+            kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
+            return
+        key = self._key(kernel, args, kwargs)
+        tuned = self._tuned.get(key)
+        if tuned is None:
             kernel[grid](*args, **kwargs)
-            self._tuned[key] = kernel.best_config
+            self._tuned[key] = kernel.best_config.all_kwargs()
             return
-        meta = {**kwargs, **config.all_kwargs()}
-        kernel.fn[grid(meta)](*args, **meta)
+        meta = {**kwargs, **tuned}
+        kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
+
+    def _key(self, kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The autotuner's key (its ``key`` args and the tensors' dtypes), computed cheaply."""
+        positions = self._key_positions.get(kernel)
+        if positions is None:
+            positional = [kernel.arg_names.index(k) for k in kernel.keys if kernel.arg_names.index(k) < len(args)]
+            keyword = [k for k in kernel.keys if k in kwargs]
+            positions = self._key_positions[kernel] = (positional, keyword)
+        return (
+            kernel,
+            *[args[i] for i in positions[0]],
+            *[kwargs[k] for k in positions[1]],
+            *[a.dtype for a in args if isinstance(a, torch.Tensor)],
+        )
 
     @staticmethod
     def _first_valid_config(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -107,11 +133,14 @@ def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
         DirectLaunch.forced_config = previous
 
 
-def use_eager_bypass(*tensors: torch.Tensor | None) -> bool:
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def use_eager_bypass(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Launch directly unless something is tracing: compile/export, a dispatch mode, tensor subclasses."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    return type(x) in _PLAIN_TENSOR_TYPES and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in others)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +152,11 @@ class OpFamily:
     eager: type[torch.autograd.Function]
 
     def __call__(self, *args: Any) -> Any:
-        """Run the forward with autograd, bypassing the dispatcher in plain eager."""
-        if use_eager_bypass(*(a for a in args if isinstance(a, torch.Tensor))):
+        """Run the forward with autograd, bypassing the dispatcher in plain eager.
+
+        The first argument is the activation; the tensors among the rest are checked too.
+        """
+        if use_eager_bypass(args[0], *[a for a in args[1:] if isinstance(a, torch.Tensor) or a is None]):
             return self.eager.apply(*args)
         return self.fwd(*args)
 
@@ -141,6 +173,9 @@ def define_op_family(
 ) -> OpFamily:
     """Register ``fastops::{name}_fwd`` and ``fastops::{name}_bwd`` and wire autograd.
 
+    The first argument of every op is its main tensor (it picks the device and
+    the path).
+
     * ``*_math(*args)``: aten-only implementation (CPU branch and decomposition). Its
       annotated signature is the op's schema.
     * ``*_kernels(launch, *args)``: same signature after ``launch``; allocates outputs and
@@ -155,14 +190,14 @@ def define_op_family(
     def _run_bwd_direct(*args: Any) -> Any:
         return _run_direct(bwd_math, bwd_kernels, args)
 
+    # Old-style forward(ctx, ...): a separate setup_context staticmethod would make
+    # Function.apply bind arguments through inspect.signature on every call.
     class Eager(torch.autograd.Function):
         @staticmethod
-        def forward(*args: Any) -> Any:
-            return _run_direct(fwd_math, fwd_kernels, args)
-
-        @staticmethod
-        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            setup_context(ctx, inputs, output)
+        def forward(ctx: Any, *args: Any) -> Any:
+            output = _run_direct(fwd_math, fwd_kernels, args)
+            setup_context(ctx, args, output)
+            return output
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
@@ -183,12 +218,8 @@ _DIRECT = DirectLaunch()
 _TRACEABLE = TraceableLaunch()
 
 
-def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
-    return next(a for a in args if isinstance(a, torch.Tensor))
-
-
 def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any], args: Sequence[Any]) -> Any:
-    x = _first_tensor(args)
+    x = args[0]
     if x.numel() == 0 or not kernels_run_on(x.device):
         return math(*args)
     return kernels(_DIRECT, *args)
@@ -197,7 +228,7 @@ def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any], args: Seq
 def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., Any]) -> OpOverload:
     @functools.wraps(math)
     def body(*args: Any) -> Any:
-        x = _first_tensor(args)
+        x = args[0]
         if x.device.type != "cuda" or x.numel() == 0:
             return math(*args)
         return kernels(_TRACEABLE, *args)

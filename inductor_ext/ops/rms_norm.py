@@ -13,14 +13,19 @@ the weight's dtype, or shape ``(0,)`` when there is no weight. The math is in th
 docstring of :mod:`inductor_ext.kernels.rms_norm`.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 from torch import Tensor
 
+from inductor_ext.kernels.reduce import SUM_ROWS_BLOCK_N, SUM_ROWS_BLOCK_R, sum_rows_kernel
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
-from inductor_ext.ops._library import Launch, define_op_family, interpreter_enabled
+from inductor_ext.ops._library import Launch, define_op_family, interpreter_enabled, sm_count
+
+PROGRAMS_PER_SM = 4
+"""Fixed grid of the kernels: 4 programs per SM keep enough rows in flight (H200, see docs/benchmarks.md)."""
 
 CASTINGS = ("llama", "gemma")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -65,10 +70,10 @@ def rms_norm_bwd_math(
     return dx.to(x.dtype), dw
 
 
-def _bwd_programs(x: Tensor) -> int:
-    """Programs of the backward launch = fp32 dw partial rows (a few per SM keeps it one wave)."""
+def _num_programs(x: Tensor) -> int:
+    """Programs per launch (each strides over rows); in the backward also the dw partial rows."""
     if x.device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(x.device).multi_processor_count
+        return PROGRAMS_PER_SM * sm_count(x.device.index)
     return 4  # the interpreter runs programs one after another
 
 
@@ -78,9 +83,10 @@ def rms_norm_fwd_kernels(
     M, N = x.shape
     y = x.new_empty((M, N), dtype=_out_dtype(x, weight, casting))
     rstd = x.new_empty((M,), dtype=torch.float32)
+    programs = _num_programs(x)
     launch(
         rms_norm_fwd_kernel,
-        lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),),
+        lambda meta: (programs,),
         x, weight, y, rstd, x.stride(0), y.stride(0), M, N, eps, offset,
         HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
@@ -94,7 +100,7 @@ def rms_norm_bwd_kernels(
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    programs = _bwd_programs(x)
+    programs = _num_programs(x)
     partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
     launch(
         rms_norm_bwd_kernel,
@@ -102,11 +108,15 @@ def rms_norm_bwd_kernels(
         dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), M, N, offset,
         HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
-    dw = partial if weight is None else partial.sum(0).to(weight.dtype)
+    if weight is None:
+        return dx, partial
+    dw = torch.empty_like(weight)
+    launch(sum_rows_kernel, lambda meta: (triton.cdiv(N, SUM_ROWS_BLOCK_N),), partial, dw, programs, N,
+           BLOCK_R=SUM_ROWS_BLOCK_R, BLOCK_N=SUM_ROWS_BLOCK_N)  # fmt: skip
     return dx, dw
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
     x, weight, _eps, offset, casting = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset, ctx.casting = offset, casting
@@ -172,12 +182,13 @@ def rms_norm(
             ``LlamaRMSNorm``) or ``"gemma"`` (multiply in fp32, cast to x's dtype once).
     """
     _check_inputs(x, weight, eps, casting)
-    shape = x.shape
-    x2d = x.reshape(-1, shape[-1])
+    # Flatten to 2-D before the autograd boundary (ranks never change between recompiles);
+    # 2-D inputs pass as they are, adding no view nodes to the autograd graph.
+    x2d = x if x.dim() == 2 else (x.flatten(0, -2) if x.dim() > 2 else x.unsqueeze(0))
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     y, _rstd = rms_norm_family(x2d, weight, float(eps), float(offset), casting)
-    return y.view(*shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.view(x.shape)
 
 
 def rms_norm_ref(

@@ -38,10 +38,15 @@ def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting)
     ref = _grads(lambda x, w: rms_norm_ref(x, w, **kw), x.double(), w.double(), dy.double())
     ours = _grads(lambda x, w: rms_norm(x, w, **kw), x, w, dy)
     compiled = _grads(torch.compile(lambda x, w: rms_norm_ref(x, w, **kw)), x, w, dy)
-    for name, o, c, r in zip(("y", "dx", "dw"), ours, compiled, ref):
+    eager = _grads(lambda x, w: rms_norm_ref(x, w, **kw), x, w, dy)
+    for name, o, c, e, r in zip(("y", "dx", "dw"), ours, compiled, eager, ref):
         assert torch.isfinite(o).all(), name
-        # as close as torch.compile of the reference (plus fp32 rounding slack)
-        assert rel_err(o, r) <= 1.1 * rel_err(c, r) + 2e-6, (name, rel_err(o, r), rel_err(c, r))
+        # As close as the reference implementations (plus fp32 rounding slack). For y under
+        # "llama" casting that is HF eager: it rounds x_hat to x's dtype before the weight
+        # multiply, as we do; Inductor drops that intermediate rounding, so torch.compile's
+        # y is closer to float64 than the HF module it compiles.
+        bound = rel_err(c, r) if not (name == "y" and casting == "llama") else max(rel_err(c, r), rel_err(e, r))
+        assert rel_err(o, r) <= 1.1 * bound + 2e-6, (name, rel_err(o, r), rel_err(c, r), rel_err(e, r))
 
 
 def test_every_config_is_correct():
@@ -84,15 +89,30 @@ def test_compiled_graph_launches_our_kernel_as_user_defined_triton_kernel():
     assert "rms_norm_bwd_kernel" in code and "fastops.rms_norm_bwd" not in code
 
 
-def test_cpp_wrapper_autotunes_our_kernel_at_compile_time():
+def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    tuned = []
+    original = CachingAutotuner.benchmark_all_configs
+
+    def counting(self, *args, **kwargs):
+        tuned.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    code = _compiled_code(
-        lambda x, w: inductor_ext.rms_norm(x, w), x, w, cpp_wrapper=True, **{"triton.autotune_at_compile_time": True}
-    )
-    assert "rms_norm_fwd_kernel" in code
-    # Compile-time autotuning leaves one fixed config in the C++ wrapper: no Python autotuner at run time.
-    assert "CachingAutotuner" not in code.split("// Python")[-1] or "run_intermediate" not in code
-    torch.testing.assert_close(
-        torch.compile(lambda x, w: inductor_ext.rms_norm(x, w))(x, w), rms_norm(x, w), atol=0, rtol=0
-    )
+    fn = torch.compile(lambda x, w: inductor_ext.rms_norm(x, w), fullgraph=True)
+    torch._dynamo.reset()
+    from torch._inductor.utils import run_and_get_code
+
+    with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True}):
+        y, codes = run_and_get_code(fn, x, w)
+        code = "\n".join(codes)
+        assert "rms_norm_fwd_kernel" in code
+        assert any("rms_norm_fwd_kernel" in name for name in tuned), tuned  # tuned while compiling
+        calls_after_compile = len(tuned)
+        y2 = fn(x, w)
+    assert len(tuned) == calls_after_compile  # running the compiled C++ wrapper tunes nothing
+    torch.testing.assert_close(y, rms_norm(x, w), atol=0, rtol=0)
+    torch.testing.assert_close(y2, y, atol=0, rtol=0)

@@ -1,0 +1,25 @@
+"""Test set-up. Without CUDA, Triton kernels run under the interpreter on CPU tensors.
+
+``TRITON_INTERPRET`` must be set before ``inductor_ext`` (and its ``@triton.jit``
+kernels) is imported, so it is decided here, at collection start.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed() -> None:
+    # fresh but reproducible inputs per test
+    torch.manual_seed(hash(os.environ.get("PYTEST_CURRENT_TEST", "")) % 2**31)
