@@ -14,6 +14,7 @@ kernels run, and the table adds the median forward+backward times.
 
 import argparse
 import sys
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +49,13 @@ class DecoderBlock(nn.Module):
         return h + self.down_proj(F.silu(gate) * up)
 
 
-def forward_backward(fn: nn.Module, params: dict[str, Tensor], x: Tensor, dy: Tensor) -> dict[str, Tensor]:
+def forward_backward(
+    fn: Callable[[Tensor], Tensor], params: Mapping[str, Tensor], x: Tensor, dy: Tensor
+) -> dict[str, Tensor]:
     """Output of ``fn(x)`` and gradients of x and ``params`` for the upstream gradient ``dy``."""
     y = fn(x)
     grads = torch.autograd.grad(y, [x, *params.values()], dy)
-    return {"output": y, **dict(zip(["x", *params], grads))}
+    return {"output": y, **dict(zip(["x", *params], grads, strict=True))}
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -71,10 +74,11 @@ def format_table(rows: list[tuple[str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
-    parser.add_argument("--batch", type=int, default=None, help="sequences (default: 4 on CUDA, 2 on CPU)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default: 2048 on CUDA, 64 on CPU)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on CPU"
+    )
+    parser.add_argument("--batch", type=int, help="sequences (default: 4 on CUDA, 2 on CPU)")
+    parser.add_argument("--tokens", type=int, help="tokens per sequence (default: 2048 on CUDA, 64 on CPU)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{name} fwd+bwd ms", f"{ms:.3f}"))
     print(format_table(rows))
 
-    bad = {k: e for k, e in errors.items() if not e <= TOLERANCE[dtype]}
+    bad = {k: f"{e:.3g}" for k, e in errors.items() if not e <= TOLERANCE[dtype]}
     if bad:
         raise AssertionError(f"compiled and eager disagree (relative error > {TOLERANCE[dtype]:g}): {bad}")
     if graph_breaks:

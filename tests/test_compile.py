@@ -9,7 +9,7 @@ each test compiles once or twice.
 
 import pytest
 import torch
-from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
@@ -27,6 +27,11 @@ def _fresh_dynamo() -> None:
 
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo produced (a recompile adds one; a restart of the analysis does not)."""
+    return counters["stats"]["unique_graphs"]
 
 
 def _fwd_bwd(fn, x, weight, dy):
@@ -72,12 +77,11 @@ def test_fullgraph_static_forward_backward_match_eager(shape, with_weight, offse
     def f(x, w):
         return inductor_ext.rms_norm(x, w, 1e-6, offset=offset, casting=casting)
 
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(f, backend=cnt, fullgraph=True, dynamic=False)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
     got = _fwd_bwd(compiled, x, w, dy)
     expected = _fwd_bwd(f, x, w, dy)
 
-    assert cnt.frame_count == 1
+    assert _graphs_compiled() == 1
     assert _graph_breaks() == 0
     _assert_matches(got, expected, rows=x.numel() // shape[-1])
 
@@ -97,10 +101,11 @@ class _Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
 
 
-def _module_fwd_bwd(module, x, dy):
+def _module_fwd_bwd(run, module, x, dy):
+    """Output, input grad and parameter grads of ``run(x)``, where ``run`` is ``module`` or its compiled form."""
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
-    y = module(x)
+    y = run(x)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
 
@@ -109,20 +114,22 @@ def _module_fwd_bwd(module, x, dy):
 def test_module_dynamic_batch_compiles_once_and_matches_eager(norm_kwargs):
     hidden = 96
     block = _Block(hidden, **norm_kwargs)
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(block, backend=cnt, fullgraph=True, dynamic=True)
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
     for batch in (2, 5):
         x, dy = torch.randn(batch, 3, hidden), torch.randn(batch, 3, hidden)
-        y, dx, grads = _module_fwd_bwd(compiled, x, dy)
-        y_e, dx_e, grads_e = _module_fwd_bwd(block, x, dy)
+        y, dx, grads = _module_fwd_bwd(compiled, block, x, dy)
+        y_e, dx_e, grads_e = _module_fwd_bwd(block, block, x, dy)
         assert y.shape == (batch, 3, hidden)
         assert rel_err(y, y_e) < FP32_TOL
         assert rel_err(dx, dx_e) < FP32_TOL
         assert grads.keys() == grads_e.keys() == {"norm.weight", "up.weight", "up.bias", "down.weight", "down.bias"}
         for name in grads:
             assert rel_err(grads[name], grads_e[name]) < reduced_grad(torch.float32, batch * 3), name
-    # one graph for both batch sizes: the batch dim is symbolic, not re-specialised
-    assert cnt.frame_count == 1
+    # One graph for both batch sizes: the batch dim is symbolic, not re-specialised. (Dynamo
+    # restarts its analysis once: with dynamic=True the float defaults of rms_norm become
+    # SymFloats, which the op's float arguments cannot take, so they get specialised. That
+    # is not a recompile and is not counted here.)
+    assert _graphs_compiled() == 1
     assert _graph_breaks() == 0
 
 
@@ -130,12 +137,11 @@ def test_functional_dynamic_batch_matches_eager():
     def f(x, w):
         return inductor_ext.rms_norm(x, w, 1e-5)
 
-    cnt = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(f, backend=cnt, fullgraph=True, dynamic=True)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
     for batch in (3, 6):
         x, w, dy = _inputs((batch, 5, 96), True)
         _assert_matches(_fwd_bwd(compiled, x, w, dy), _fwd_bwd(f, x, w, dy), rows=batch * 5)
-    assert cnt.frame_count == 1
+    assert _graphs_compiled() == 1
     assert _graph_breaks() == 0
 
 

@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = harness.copy_bandwidth_gbps()
     results = bench.run(shapes, dtype, copy_gbps)
     overhead = bench.host_overhead_us()
+    from inductor_ext.ops._library import DirectLaunch
+
+    tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in DirectLaunch._tuned.items()}
     extra = {
+        "eager_tuned_configs": {k: {n: v for n, v in c.items() if v is not None} for k, c in tuned.items()},
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_gbps": copy_gbps,
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
     print(harness.table(results))
     print(json.dumps(overhead, indent=1))
+    print(json.dumps(extra["eager_tuned_configs"], indent=1, default=str))
     return 0
 
 

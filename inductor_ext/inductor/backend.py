@@ -25,7 +25,7 @@ def fastops_inductor(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    from torch._decomp import select_decomp_table
+    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 

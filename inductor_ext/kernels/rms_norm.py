@@ -47,25 +47,27 @@ class RMSNormConfig:
     block_m: int
     block_n: int
     num_warps: int
+    grid_stride: bool = True
+    """A fixed grid of programs striding over row blocks (always, in the backward), or
+    one program per row block (forward only: the hardware schedules blocks dynamically)."""
 
     def to_triton(self) -> triton.Config:
-        return triton.Config(
-            {"PERSISTENT": self.persistent, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n},
-            num_warps=self.num_warps,
-        )
+        kwargs = {"PERSISTENT": self.persistent, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+        return triton.Config({**kwargs, "GRID_STRIDE": self.grid_stride}, num_warps=self.num_warps)
 
     @classmethod
     def from_triton(cls, config: triton.Config) -> "RMSNormConfig":
         kw = config.kwargs
-        return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps)
+        return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, bool(kw["GRID_STRIDE"]))
 
 
-def search_space(n: int) -> list[RMSNormConfig]:
+def search_space(n: int, forward: bool = True) -> list[RMSNormConfig]:
     """Every config valid for rows of ``n`` elements, the heuristic's favourite first.
 
     Persistent: 1-8 rows per step, 8-32 fp32 values per thread and operand.
     Looped: 1024-4096-element chunks (only the two larger ones, 8 warps, where a
     persistent config exists too, to keep compile-time autotuning short).
+    The forward also tries each with one program per row block instead of a grid-stride loop.
     """
     block = triton.next_power_of_2(max(n, 1))
     configs = []
@@ -82,19 +84,21 @@ def search_space(n: int) -> list[RMSNormConfig]:
     else:
         looped = [RMSNormConfig(False, 1, chunk, w) for chunk in (1024, 2048, 4096) for w in (4, 8)]
     configs.extend(c for c in looped if c.block_n < block)
+    if forward:
+        configs.extend(dataclasses.replace(c, grid_stride=False) for c in list(configs))
     configs.sort(key=lambda c: _heuristic_rank(c, block))
     return configs
 
 
-def _heuristic_rank(config: RMSNormConfig, block: int) -> tuple[int, int, int]:
-    """Prefer persistent, ~16 values per thread, and rows of at least 2 KiB per step."""
+def _heuristic_rank(config: RMSNormConfig, block: int) -> tuple[int, int, int, int]:
+    """Prefer persistent, ~16 values per thread, rows of at least 2 KiB per step, grid-stride."""
     per_thread = config.block_m * config.block_n // (32 * config.num_warps)
     rows_wanted = max(1, 2048 // block)
-    return (not config.persistent, abs(per_thread - 16), abs(config.block_m - rows_wanted))
+    return (not config.persistent, abs(per_thread - 16), abs(config.block_m - rows_wanted), not config.grid_stride)
 
 
-def heuristic(n: int) -> RMSNormConfig:
-    return search_space(n)[0]
+def heuristic(n: int, forward: bool = True) -> RMSNormConfig:
+    return search_space(n, forward)[0]
 
 
 def _all_configs() -> list[triton.Config]:
@@ -104,16 +108,18 @@ def _all_configs() -> list[triton.Config]:
     return [c.to_triton() for c in seen]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    valid = set(search_space(named_args["N"]))
+def _prune_fwd(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    valid = set(search_space(named_args["N"], forward=True))
     return [c for c in configs if RMSNormConfig.from_triton(c) in valid]
 
 
-_AUTOTUNE = dict(
-    configs=_all_configs(),
-    key=["N", "HAS_WEIGHT"],
-    prune_configs_by={"early_config_prune": _prune},
-)
+def _prune_bwd(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    valid = set(search_space(named_args["N"], forward=False))
+    return [c for c in configs if RMSNormConfig.from_triton(c) in valid]
+
+
+def _autotune(prune: object) -> dict[str, object]:
+    return dict(configs=_all_configs(), key=["N", "HAS_WEIGHT"], prune_configs_by={"early_config_prune": prune})
 
 
 @triton.jit
@@ -126,18 +132,19 @@ def _scale(xhat, w_eff, X_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, GEMMA_C
     return xhat
 
 
-@triton.autotune(**_AUTOTUNE)
+@triton.autotune(**_autotune(_prune_fwd))
 @triton.jit
 def rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     stride_x, stride_y, M, N, eps, offset,
     HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
-    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRID_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """y = scale(x * rstd), rstd = rsqrt(mean(x**2) + eps).
 
-    Programs stride over blocks of BLOCK_M rows (grid = a fixed number of
-    programs), so a persistent program loads the weight once for all its rows.
+    Programs stride over blocks of BLOCK_M rows. With GRID_STRIDE the launcher
+    starts a fixed number of programs, so each loads the weight once for many
+    rows; without it, one program per block (the loop runs once).
     """
     eps = tl.cast(eps, tl.float32)  # Inductor may pass Python floats as fp64
     offset = tl.cast(offset, tl.float32)
@@ -185,18 +192,30 @@ def rms_norm_fwd_kernel(
             tl.store(RSTD + row, rstd)
 
 
-@triton.autotune(**_AUTOTUNE)
+@triton.jit
+def _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
+    """x, dy (storage dtype) and rstd of a block of rows; rows past M read as zeros."""
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, dy, rstd
+
+
+@triton.autotune(**_autotune(_prune_bwd))
 @triton.jit
 def rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx, M, N, offset,
     HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
-    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRID_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w'; DW_PARTIAL[pid] = sum over own rows of dy * xhat.
 
-    Programs stride over row blocks (grid = a fixed number of programs), so each
-    keeps one fp32 dw partial for all the rows it handles. Under "llama" casting
+    Programs stride over row blocks (grid = a fixed number of programs, whatever
+    GRID_STRIDE says), so each keeps one fp32 dw partial for all its rows. Under "llama" casting
     the weight multiplies the rounded xhat; its gradient uses the unrounded one,
     the float64 reference's value.
     """
@@ -212,14 +231,19 @@ def rms_norm_bwd_kernel(
         if HAS_WEIGHT:
             w_eff = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + offset
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Software pipelining by hand: the next block's loads are issued before this
+        # block's reductions, so a program always has a row in flight.
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_next, dy_next, rstd_next = _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
         for block in tl.range(pid, num_blocks, num_programs):
-            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            rstd = rstd_next
             row_mask = rows < M
             mask = row_mask[:, None] & col_mask[None, :]
             rows64 = rows[:, None].to(tl.int64)
-            x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            rows += num_programs * BLOCK_M
+            x_next, dy_next, rstd_next = _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
             xhat = x * rstd[:, None]
             g = dy * w_eff if HAS_WEIGHT else dy
             c1 = tl.sum(g * xhat, axis=1) / N

@@ -86,7 +86,7 @@ def rms_norm_fwd_kernels(
     programs = _num_programs(x)
     launch(
         rms_norm_fwd_kernel,
-        lambda meta: (programs,),
+        lambda meta: (programs if meta["GRID_STRIDE"] else triton.cdiv(M, meta["BLOCK_M"]),),
         x, weight, y, rstd, x.stride(0), y.stride(0), M, N, eps, offset,
         HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
