@@ -75,18 +75,22 @@ def _compiled_code(fn, *args, **patches):
 
 
 def test_compiled_graph_launches_our_kernel_as_user_defined_triton_kernel():
+    from torch._inductor.utils import run_and_get_code
+
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: inductor_ext.rms_norm(x, w), fullgraph=True)
 
-    def train_step(x, w):
-        y = inductor_ext.rms_norm(x, w)
-        return torch.autograd.grad(y.float().square().sum(), (x, w))
+    def train_step():
+        compiled(x, w).float().square().sum().backward()
 
-    code = _compiled_code(lambda x, w: inductor_ext.rms_norm(x, w), x, w)
-    assert "rms_norm_fwd_kernel" in code
-    assert "fastops.rms_norm_fwd" not in code  # no fallback call into the op
-    code = _compiled_code(train_step, x, w)
-    assert "rms_norm_bwd_kernel" in code and "fastops.rms_norm_bwd" not in code
+    _, codes = run_and_get_code(train_step)  # forward and (lazily compiled) backward graphs
+    code = "\n".join(codes)
+    assert "rms_norm_fwd_kernel" in code and "rms_norm_bwd_kernel" in code
+    # launched as user-defined Triton kernels, with no fallback call into the ops
+    assert "fastops.rms_norm_fwd" not in code and "fastops.rms_norm_bwd" not in code
+    assert x.grad is not None and torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
 
 
 def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
