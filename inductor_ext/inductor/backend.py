@@ -8,6 +8,7 @@ backend is *not* a tuned route and ``torch.compile``'s default backend already
 runs our hand kernels.
 """
 
+import importlib.metadata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +17,9 @@ from torch._dynamo import register_backend
 
 from inductor_ext.ops._library import DECOMPOSITIONS
 
+BACKEND_NAME = "fastops_inductor"
 
-@register_backend(name="fastops_inductor")  # type: ignore[misc]
+
 def fastops_inductor(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -29,6 +31,16 @@ def fastops_inductor(
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**list_mode_options(mode), **(options or {})}
+    # torch.compile passes mode only when it is neither None nor "default";
+    # list_mode_options(None) would return every mode's options.
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     decompositions = {**select_decomp_table(), **DECOMPOSITIONS}
     return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+
+
+# When the distribution is installed, Dynamo finds the backend through the
+# torch_dynamo_backends entry point, and registers it itself after importing this
+# module: registering here too would make that a duplicate (AssertionError in
+# torch 2.13). Without the entry point (source checkout), register on import.
+if not importlib.metadata.entry_points(group="torch_dynamo_backends", name=BACKEND_NAME):
+    register_backend(compiler_fn=fastops_inductor, name=BACKEND_NAME)

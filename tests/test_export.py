@@ -1,0 +1,151 @@
+"""AOTInductor on CPU: ``torch.export`` a small Llama-style block using ``inductor_ext.nn.RMSNorm``,
+compile it into a ``.pt2`` package and run the package.
+
+The exported program keeps ``fastops::rms_norm_fwd`` as a real op (torch.export does not
+decompose triton_ops); AOTInductor then compiles the op's CPU branch into the package's
+C++, so the package runs without ``inductor_ext`` (and, from C++, without Python).
+One export + AOTI compile costs ~15 s on two cores: the static one is shared by the module.
+"""
+
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import inductor_ext
+from tests.tolerances import OUTPUT, rel_err
+
+HIDDEN = 64
+FP32_TOL = OUTPUT[torch.float32]
+
+
+class LlamaStyleBlock(torch.nn.Module):
+    """Embedding-free Llama-style block: pre-norm linear mixer and pre-norm SwiGLU MLP, with residuals."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.attn_norm = inductor_ext.nn.RMSNorm(hidden, eps=1e-6)
+        self.mixer = torch.nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = inductor_ext.nn.RMSNorm(hidden, eps=1e-5)
+        self.gate = torch.nn.Linear(hidden, 2 * hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():  # non-trivial norm weights, so a dropped weight would show
+            self.attn_norm.weight.uniform_(0.5, 1.5)
+            self.mlp_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.attn_norm(x))
+        h = self.mlp_norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaStyleBlock:
+    torch.manual_seed(0)
+    return LlamaStyleBlock().eval()
+
+
+@pytest.fixture(scope="module")
+def static_package(model, tmp_path_factory):
+    """(exported program, package path, example input) for a static (2, 8, HIDDEN) input."""
+    x = torch.randn(2, 8, HIDDEN)
+    ep = torch.export.export(model, (x,))
+    path = tmp_path_factory.mktemp("aoti") / "block.pt2"
+    returned = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    return ep, Path(returned), x
+
+
+def _targets(ep: torch.export.ExportedProgram) -> list:
+    return [n.target for n in ep.graph.nodes if n.op == "call_function"]
+
+
+def test_exported_graph_keeps_the_fastops_op(static_package):
+    ep, _, _ = static_package
+    targets = _targets(ep)
+    # one call per RMSNorm: the op survives export as a real op, not as its decomposition
+    assert targets.count(torch.ops.fastops.rms_norm_fwd.default) == 2
+    assert torch.ops.aten.rsqrt.default not in targets
+
+
+def test_exported_program_module_matches_eager(model, static_package):
+    ep, _, x = static_package
+    out = ep.module()(x)
+    assert rel_err(out, _eager(model, x)) < FP32_TOL
+
+
+def test_package_file_is_written(static_package):
+    _, path, _ = static_package
+    assert path.is_file() and path.name == "block.pt2"
+    assert zipfile.is_zipfile(path)
+    names = zipfile.ZipFile(path).namelist()
+    assert any(n.endswith(".so") for n in names), names
+
+
+def test_package_has_no_call_back_into_the_fastops_op(static_package):
+    """The op was compiled to C++ (its CPU branch), not left as a proxy-executor call that
+    would need the Python registration (and fails in pure C++: "Could not find schema")."""
+    _, path, _ = static_package
+    with zipfile.ZipFile(path) as z:
+        sources = {n: z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith(".cpp")}
+    assert any(n.endswith("wrapper.cpp") for n in sources), list(sources)
+    for name, src in sources.items():
+        assert "fastops" not in src, name
+        assert "aoti_torch_proxy_executor_call_function" not in src, name
+
+
+def test_loaded_package_matches_eager(model, static_package):
+    _, path, x = static_package
+    runner = torch._inductor.aoti_load_package(str(path))
+    out = runner(x)
+    expected = _eager(model, x)
+    assert isinstance(out, torch.Tensor) and out.shape == expected.shape == x.shape
+    assert rel_err(out, expected) < FP32_TOL
+    # fresh values at the compiled shape, too
+    x2 = torch.randn_like(x)
+    assert rel_err(runner(x2), _eager(model, x2)) < FP32_TOL
+
+
+def test_package_runs_in_a_process_without_inductor_ext(model, static_package, tmp_path):
+    _, path, x = static_package
+    torch.save({"x": x, "expected": _eager(model, x)}, tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        out = torch._inductor.aoti_load_package({str(path)!r})(io["x"])
+        err = ((out.double() - io["expected"].double()).norm() / io["expected"].double().norm()).item()
+        assert "inductor_ext" not in sys.modules
+        print("REL_ERR", err)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = float(proc.stdout.split("REL_ERR")[-1])
+    assert err < FP32_TOL
+
+
+def test_dynamic_batch_package(model, tmp_path):
+    x = torch.randn(3, 8, HIDDEN)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch}})
+    assert _targets(ep).count(torch.ops.fastops.rms_norm_fwd.default) == 2
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block_dyn.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    for b in (3, 5):
+        xb = torch.randn(b, 8, HIDDEN)
+        out = runner(xb)
+        assert out.shape == (b, 8, HIDDEN)
+        assert rel_err(out, _eager(model, xb)) < FP32_TOL
