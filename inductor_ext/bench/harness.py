@@ -9,6 +9,7 @@ one set would fit in L2.
 import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,8 @@ def bench_graph_median(fn: Callable[[], Any], calls_per_graph: int = 10, replays
         end.synchronize()
         times.append(start.elapsed_time(end) / calls_per_graph)
     del graph
-    q = torch.tensor(times).quantile(torch.tensor([0.5, 0.2, 0.8])).tolist()
-    return q[0], q[1], q[2]
+    deciles = statistics.quantiles(times, n=10)
+    return statistics.median(times), deciles[1], deciles[7]
 
 
 def copy_bandwidth_gbps(gib: float = 2.0) -> float:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from inductor_ext.kernels.reduce import SUM_ROWS_BLOCK_N, SUM_ROWS_BLOCK_R, sum_rows_kernel
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
-from inductor_ext.ops._library import Launch, define_op_family, interpreter_enabled, sm_count
+from inductor_ext.ops._library import Launch, define_op_family, sm_count
 
 PROGRAMS_PER_SM = 4
 """Fixed grid of the kernels: 4 programs per SM keep enough rows in flight (H200, see docs/benchmarks.md)."""
@@ -207,4 +207,4 @@ def rms_norm_ref(
     return (h.to(x.dtype).to(compute) * (offset + weight.to(compute))).to(_out_dtype(x, weight, casting))
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_family", "interpreter_enabled"]
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_family"]
