@@ -1,6 +1,12 @@
-"""``python -m inductor_ext.bench rms_norm [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``."""
+"""``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``.
+
+Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
+default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
+optionally, ``host_overhead_us() -> dict`` (eager host cost vs a bare launch).
+"""
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -9,23 +15,26 @@ import torch
 
 from inductor_ext.bench import harness
 
+OPS = ["rms_norm"]
+"""Ops with a benchmark module; a new op adds its name here."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", description=__doc__)
-    parser.add_argument("op", choices=["rms_norm"])
+    parser.add_argument("op", choices=OPS)
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON and PNG")
     parser.add_argument("--shapes", nargs="*", default=None, help="MxN shapes (default: the op's list)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA GPU")
-    from inductor_ext.bench import rms_norm as bench
+    bench = importlib.import_module(f"inductor_ext.bench.{args.op}")
 
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else bench.SHAPES
     dtype = getattr(torch, args.dtype)
     copy_gbps = harness.copy_bandwidth_gbps()
     results = bench.run(shapes, dtype, copy_gbps)
-    overhead = bench.host_overhead_us()
+    overhead = bench.host_overhead_us() if hasattr(bench, "host_overhead_us") else {}
     from inductor_ext.ops._library import DirectLaunch
 
     tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in DirectLaunch._tuned.items()}
