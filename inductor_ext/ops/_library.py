@@ -58,6 +58,14 @@ def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def grid_stride_programs(device: torch.device, per_sm: int) -> int:
+    """Grid size of a grid-stride launch: ``per_sm`` programs per SM; 4 under the interpreter
+    (which runs programs one after another, so a few suffice to exercise the striding)."""
+    if device.type == "cuda":
+        return per_sm * sm_count(device.index)
+    return 4
+
+
 class TraceableLaunch:
     """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel."""
 
@@ -136,11 +144,11 @@ def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def use_eager_bypass(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+def use_eager_bypass(tensors: Sequence[torch.Tensor | None]) -> bool:
     """Launch directly unless something is tracing: compile/export, a dispatch mode, tensor subclasses."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
-    return type(x) in _PLAIN_TENSOR_TYPES and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in others)
+    return all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,15 +158,25 @@ class OpFamily:
     fwd: OpOverload
     bwd: OpOverload
     eager: type[torch.autograd.Function]
+    """Direct launches with autograd (forward and backward)."""
+    run_fwd_direct: Callable[..., Any]
+    """Direct launches of the forward alone, for calls that need no gradient."""
+    tensor_args: tuple[int, ...]
+    """Positions of the forward's tensor arguments."""
 
     def __call__(self, *args: Any) -> Any:
         """Run the forward with autograd, bypassing the dispatcher in plain eager.
 
-        The first argument is the activation; the tensors among the rest are checked too.
+        Tracing (compile, export, dispatch modes, tensor subclasses) sees the registered
+        op; plain eager launches directly, through the autograd.Function only when a
+        gradient is needed (``Function.apply`` is most of the host cost of a small call).
         """
-        if use_eager_bypass(args[0], *[a for a in args[1:] if isinstance(a, torch.Tensor) or a is None]):
+        tensors = [args[i] for i in self.tensor_args]
+        if not use_eager_bypass(tensors):
+            return self.fwd(*args)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
             return self.eager.apply(*args)
-        return self.fwd(*args)
+        return self.run_fwd_direct(*args)
 
 
 def define_op_family(
@@ -183,9 +201,14 @@ def define_op_family(
     * ``setup_context(ctx, inputs, output)``: saves what the backward needs.
     * ``backward(ctx, bwd, *grads)``: returns input grads, computing them with ``bwd``
       (the registered backward op, or its eager twin, called with ``bwd_math``'s signature).
+      A grad is None for an output that received no gradient (the eager path does not
+      materialise zeros).
     """
     fwd_op = _define_op(f"{name}_fwd", fwd_math, fwd_kernels)
     bwd_op = _define_op(f"{name}_bwd", bwd_math, bwd_kernels)
+
+    def _run_fwd_direct(*args: Any) -> Any:
+        return _run_direct(fwd_math, fwd_kernels, args)
 
     def _run_bwd_direct(*args: Any) -> Any:
         return _run_direct(bwd_math, bwd_kernels, args)
@@ -195,7 +218,10 @@ def define_op_family(
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> Any:
-            output = _run_direct(fwd_math, fwd_kernels, args)
+            # no zero-filled gradients for outputs the caller did not use (or that are
+            # non-differentiable, like rstd): one allocation and fill kernel less per call
+            ctx.set_materialize_grads(False)
+            output = _run_fwd_direct(*args)
             setup_context(ctx, args, output)
             return output
 
@@ -211,7 +237,8 @@ def define_op_family(
     )
     DECOMPOSITIONS[fwd_op] = fwd_math
     DECOMPOSITIONS[bwd_op] = bwd_math
-    return OpFamily(fwd_op, bwd_op, Eager)
+    tensor_args = tuple(i for i, a in enumerate(fwd_op._schema.arguments) if _is_tensor_type(a.type))
+    return OpFamily(fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args)
 
 
 _DIRECT = DirectLaunch()
@@ -223,6 +250,13 @@ def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any], args: Seq
     if x.numel() == 0 or not kernels_run_on(x.device):
         return math(*args)
     return kernels(_DIRECT, *args)
+
+
+def _is_tensor_type(schema_type: Any) -> bool:
+    """``Tensor`` or ``Tensor?`` in an op schema."""
+    if isinstance(schema_type, torch.OptionalType):
+        schema_type = schema_type.getElementType()
+    return isinstance(schema_type, torch.TensorType)
 
 
 def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., Any]) -> OpOverload:

@@ -20,12 +20,17 @@ import torch
 import triton
 from torch import Tensor
 
-from inductor_ext.kernels.reduce import SUM_ROWS_BLOCK_N, SUM_ROWS_BLOCK_R, sum_rows_kernel
-from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
-from inductor_ext.ops._library import Launch, define_op_family, sm_count
-
-PROGRAMS_PER_SM = 4
-"""Fixed grid of the kernels: 4 programs per SM keep enough rows in flight (H200, see docs/benchmarks.md)."""
+from inductor_ext.kernels.reduce import (
+    SUM_ROWS_BLOCK_N,
+    SUM_ROWS_BLOCK_R,
+    sum_rows_kernel,
+)
+from inductor_ext.kernels.rms_norm import (
+    programs_per_sm,
+    rms_norm_bwd_kernel,
+    rms_norm_fwd_kernel,
+)
+from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
 
 CASTINGS = ("llama", "gemma")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,23 +75,15 @@ def rms_norm_bwd_math(
     return dx.to(x.dtype), dw
 
 
-def _num_programs(x: Tensor) -> int:
-    """Programs per launch (each strides over rows); in the backward also the dw partial rows."""
-    if x.device.type == "cuda":
-        return PROGRAMS_PER_SM * sm_count(x.device.index)
-    return 4  # the interpreter runs programs one after another
-
-
 def rms_norm_fwd_kernels(
     launch: Launch, x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[Tensor, Tensor]:
     M, N = x.shape
     y = x.new_empty((M, N), dtype=_out_dtype(x, weight, casting))
     rstd = x.new_empty((M,), dtype=torch.float32)
-    programs = _num_programs(x)
     launch(
         rms_norm_fwd_kernel,
-        lambda meta: (programs if meta["GRID_STRIDE"] else triton.cdiv(M, meta["BLOCK_M"]),),
+        lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),),
         x, weight, y, rstd, x.stride(0), y.stride(0), M, N, eps, offset,
         HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
@@ -100,7 +97,7 @@ def rms_norm_bwd_kernels(
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    programs = _num_programs(x)
+    programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw partial rows
     partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
     launch(
         rms_norm_bwd_kernel,
@@ -207,4 +204,4 @@ def rms_norm_ref(
     return (h.to(x.dtype).to(compute) * (offset + weight.to(compute))).to(_out_dtype(x, weight, casting))
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_family"]
+__all__ = ["rms_norm", "rms_norm_family", "rms_norm_ref"]

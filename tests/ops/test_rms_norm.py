@@ -41,10 +41,14 @@ def _check_against_float64(shape, dtype, with_weight=True, **kw):
 
 @pytest.mark.parametrize("n", [123, 5000, 70000])
 def test_every_config_matches_float64(n):
-    """Each persistent and looped variant the autotuner may pick, on an odd row count."""
-    configs = search_space(n)
+    """Each persistent and looped variant the autotuner may pick, on an odd row count.
+
+    A forced config applies to both kernels (the forward ignores PREFETCH).
+    """
+    configs = list(dict.fromkeys(search_space(n, forward=True) + search_space(n, forward=False)))
     assert any(c.persistent for c in configs) == (n <= 32768)
     assert any(not c.persistent for c in configs) == (n > 2048)  # chunks of 2048+ elements
+    assert any(c.prefetch for c in configs) == (n <= 32768)
     for config in configs if n < 70000 else configs[:2]:
         with force_launch_config(config.to_triton().all_kwargs()):
             _check_against_float64((5, n), torch.float32)
@@ -185,3 +189,16 @@ def test_nn_module_loads_torch_and_hf_state_dicts():
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
     gemma = inductor_ext.nn.RMSNorm(48, offset=1.0, casting="gemma")
     assert "casting='gemma'" in repr(gemma)
+
+
+@pytest.mark.parametrize("n", [123, 4096, 16384, 70000])
+def test_autotuner_sees_the_whole_search_space(n):
+    """The autotuners' config lists, pruned for N, are exactly the forward/backward search spaces."""
+    from inductor_ext.kernels import rms_norm as kernels
+
+    for kernel, prune, forward in (
+        (kernels.rms_norm_fwd_kernel, kernels._prune_fwd, True),
+        (kernels.rms_norm_bwd_kernel, kernels._prune_bwd, False),
+    ):
+        pruned = [kernels.RMSNormConfig.from_triton(c) for c in prune(kernel.configs, {"N": n})]
+        assert sorted(map(str, pruned)) == sorted(map(str, search_space(n, forward)))

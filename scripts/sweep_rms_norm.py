@@ -1,0 +1,79 @@
+"""H200 diagnostics for RMSNorm: GPU time of every kernel config (and grid size) at the benchmark
+shapes, each checked against the aten math, next to torch.compile of the HF reference; Inductor's
+generated kernels are written to $OUT for comparison.
+
+    PYTHONPATH=$PWD python scripts/sweep_rms_norm.py [--out DIR]
+"""
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps
+from inductor_ext.bench.rms_norm import SHAPES
+from inductor_ext.kernels.rms_norm import search_space
+from inductor_ext.ops._library import DirectLaunch, force_launch_config
+
+EPS = 1e-6
+ops = importlib.import_module("inductor_ext.ops.rms_norm")  # the package re-exports a function of that name
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("sweep"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    launch = DirectLaunch()
+    copy = copy_bandwidth_gbps()
+    rows = []
+    for m, n in SHAPES:
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        w = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        y_ref, rstd = ops.rms_norm_fwd_math(x, w, EPS, 0.0, "llama")
+        dx_ref, dw_ref = ops.rms_norm_bwd_math(dy, x, w, rstd, 0.0, "llama")
+        fwd_bytes, bwd_bytes = 2 * m * n * 2, 3 * m * n * 2
+
+        def record(kind: str, config: object, ms: float, nbytes: int, err: float) -> None:
+            row = {"shape": f"{m}x{n}", "kind": kind, "config": str(config), "ms": ms,
+                   "copy_fraction": nbytes / ms / 1e6 / copy, "rel_err": err}  # fmt: skip
+            rows.append(row)
+            print(f"{row['shape']:12s} {kind:4s} {ms:.4f} ms {row['copy_fraction']:6.1%} err {err:.1e} {config}")
+
+        for config in search_space(n, forward=True):
+            with force_launch_config(config.to_triton().all_kwargs()):
+                y, _ = ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama")
+                ms = bench_graph_median(lambda: ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama"))[0]
+            record("fwd", config, ms, fwd_bytes, _rel(y, y_ref))
+        default_per_sm = ops.programs_per_sm
+        for per_sm in (1, 2, 4):
+            ops.programs_per_sm = lambda _n, p=per_sm: p
+            for config in search_space(n, forward=False):
+                with force_launch_config(config.to_triton().all_kwargs()):
+                    dx, dw = ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
+                    bwd = lambda: ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")  # noqa: E731
+                    ms = bench_graph_median(bwd)[0]
+                record("bwd", f"{config} per_sm={per_sm}", ms, bwd_bytes, max(_rel(dx, dx_ref), _rel(dw, dw_ref)))
+        ops.programs_per_sm = default_per_sm
+
+        torch._dynamo.reset()
+        ref = torch.compile(ops.rms_norm_ref, fullgraph=True)
+        _, code = run_and_get_code(ref, x, w, EPS)
+        (args.out / f"inductor_fwd_{m}x{n}.py").write_text("\n\n".join(code))
+        record("fwd", "torch.compile", bench_graph_median(lambda: ref(x, w, EPS))[0], fwd_bytes, 0.0)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        full = bench_graph_median(lambda: torch.autograd.grad(ref(xg, wg, EPS), (xg, wg), dy))[0]
+        record("f+b", "torch.compile", full, fwd_bytes + bwd_bytes, 0.0)
+    (args.out / "sweep.json").write_text(json.dumps({"copy_gbps": copy, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
