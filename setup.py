@@ -1,8 +1,13 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', Path(__file__).with_name("inductor_ext").joinpath("version.py").read_text())
 
 setup(
     name="inductor-ext",
-    version="0.1.0",
+    version=VERSION.group(1),
     description="Fused Triton kernels for LLM training and inference as real PyTorch operators, "
     "with a torch.compile backend (fastops_inductor) and AOTInductor export.",
     packages=find_packages(include=["inductor_ext", "inductor_ext.*"]),

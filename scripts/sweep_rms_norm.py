@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps
 from inductor_ext.bench.rms_norm import SHAPES
-from inductor_ext.kernels.rms_norm import search_space
+from inductor_ext.kernels.norm_config import search_space
 from inductor_ext.ops._library import DirectLaunch, force_launch_config
 
 EPS = 1e-6

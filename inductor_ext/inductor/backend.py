@@ -1,21 +1,32 @@
 """``torch.compile(model, backend="fastops_inductor")``.
 
-Foundation version: Inductor's ``compile_fx`` with the fastops decompositions
-merged into Inductor's table, so fastops ops are lowered to Inductor's own
-generated code (reductions) instead of our hand kernels. Pattern rewrites,
-per-op route choice and cache keys come with the backend issue; until then this
-backend is *not* a tuned route and ``torch.compile``'s default backend already
-runs our hand kernels.
+Four steps on the graph Dynamo hands over, then Inductor:
+
+1. rewrite common spellings into fastops ops (:mod:`.patterns`);
+2. decide each fastops op call's route, our kernels or Inductor's code from the op's
+   aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
+3. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
+4. ``compile_fx`` with our Inductor config patches (multi-kernel on by default,
+   compile-time autotuning with ``cpp_wrapper``), while the op bodies trace the
+   chosen routes.
+
+Options: :mod:`inductor_ext.inductor.options`.
 """
 
 import importlib.metadata
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._dynamo import register_backend
 
-from inductor_ext.ops._library import DECOMPOSITIONS
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.inductor.cache_key import FastopsGraphPass
+from inductor_ext.inductor.choice import RoutePlanner
+from inductor_ext.inductor.options import parse_options
+from inductor_ext.inductor.patterns import apply_rewrites
+from inductor_ext.ops._library import route_ops
 
 BACKEND_NAME = "fastops_inductor"
 
@@ -27,15 +38,28 @@ def fastops_inductor(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    ours, inductor_options = parse_options(options)
+    if ours.patterns:
+        apply_rewrites(gm)
+    planner = RoutePlanner(ours, TuningDatabase())
+    planner.plan_graph(gm)
+
     # torch.compile passes mode only when it is neither None nor "default";
     # list_mode_options(None) would return every mode's options.
-    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-    decompositions = {**select_decomp_table(), **DECOMPOSITIONS}
-    return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+    patches = {**(list_mode_options(mode) if mode else {}), **inductor_options, **ours.inductor_patches()}
+    if patches.get("cpp_wrapper", inductor_config.cpp_wrapper):
+        patches["triton.autotune_at_compile_time"] = True
+    state = json.dumps(
+        {"options": repr(ours), "decisions": sorted(repr(d) for d in planner.decisions.values())}, sort_keys=True
+    )
+    user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+    patches["post_grad_custom_post_pass"] = FastopsGraphPass(state, chained=user_pass)
+    with route_ops(planner.traces_math):
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 # When the distribution is installed, Dynamo finds the backend through the

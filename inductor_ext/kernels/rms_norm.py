@@ -17,116 +17,24 @@ Backward, with ``g = dy * w'`` (``g = dy`` without weight)::
 fp32 and writes one partial row to ``DW_PARTIAL[pid, :]``; the caller sums the
 ``(num_programs, N)`` partials. No atomics.
 
-Two strategies per kernel, chosen by autotuning among :func:`search_space`:
+Two strategies per kernel, chosen by autotuning among
+:func:`inductor_ext.kernels.norm_config.search_space`:
 
 * persistent: the whole row (``BLOCK_N = next_pow2(N)``) lives in registers,
   ``BLOCK_M`` rows per step; x is read once.
 * looped: the row is walked in ``BLOCK_N`` chunks twice (statistics, then
   output), one row per step; used for any N and the only option past
-  ``MAX_PERSISTENT_BLOCK`` (N > 32768).
+  32768.
 
 The forward runs one program per block of rows (per row, looped). The backward
-runs a fixed number of programs (:func:`programs_per_sm` per SM) that stride
+runs a fixed number of programs (:func:`~inductor_ext.kernels.norm_config.programs_per_sm` per SM) that stride
 over the rows, so each program's dw partial is written once, not once per row.
 """
-
-import dataclasses
 
 import triton
 import triton.language as tl
 
-MAX_PERSISTENT_BLOCK = 32768
-"""Largest power-of-two row held in registers (fp32, 32 warps: 32 values per thread and operand)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RMSNormConfig:
-    """One launch configuration of an RMSNorm kernel."""
-
-    persistent: bool
-    block_m: int
-    block_n: int
-    num_warps: int
-    prefetch: bool = False
-    """Backward, persistent: load the next row block before reducing this one (more
-    bytes in flight per program, more registers)."""
-
-    def to_triton(self) -> triton.Config:
-        kwargs = {"PERSISTENT": self.persistent, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
-        return triton.Config({**kwargs, "PREFETCH": self.prefetch}, num_warps=self.num_warps)
-
-    @classmethod
-    def from_triton(cls, config: triton.Config) -> "RMSNormConfig":
-        kw = config.kwargs
-        return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, bool(kw["PREFETCH"]))
-
-
-def search_space(n: int, forward: bool = True) -> list[RMSNormConfig]:
-    """Every config valid for rows of ``n`` elements, the heuristic's favourite first.
-
-    Persistent (rows up to ``MAX_PERSISTENT_BLOCK``): 1-8 rows per step, 8-32 fp32
-    values per thread and operand; the backward tries each with and without prefetching.
-    Looped (rows longer than 2048): 2048- and 4096-element chunks (also 1024 past
-    ``MAX_PERSISTENT_BLOCK``), 8 or 16 warps. (Pipeline depth 1 vs 3 and, in the forward,
-    grid-stride vs one program per row block were measured on the H200 and dropped:
-    the first made no difference, the second always lost.)
-    """
-    block = triton.next_power_of_2(max(n, 1))
-    persistent = []
-    if block <= MAX_PERSISTENT_BLOCK:
-        for block_m in (1, 2, 4, 8):
-            tile = block_m * block
-            if block_m > 1 and tile > 16384:
-                continue
-            for num_warps in (1, 2, 4, 8, 16, 32):
-                per_thread = tile // (32 * num_warps)
-                if 8 <= per_thread <= 32 or (num_warps == 1 and per_thread < 8):
-                    persistent.append(RMSNormConfig(True, block_m, block, num_warps))
-        if not forward:
-            persistent += [dataclasses.replace(c, prefetch=True) for c in persistent]
-    chunks = (2048, 4096) if block <= MAX_PERSISTENT_BLOCK else (1024, 2048, 4096)
-    looped = [RMSNormConfig(False, 1, chunk, num_warps) for chunk in chunks if chunk < block for num_warps in (8, 16)]
-    return sorted(persistent + looped, key=lambda c: _heuristic_rank(c, block))
-
-
-def _heuristic_rank(config: RMSNormConfig, block: int) -> tuple[int, int, int, int]:
-    """Prefer persistent, ~16 values per thread, rows of at least 2 KiB per step, no prefetch."""
-    per_thread = config.block_m * config.block_n // (32 * config.num_warps)
-    rows_wanted = max(1, 2048 // block)
-    return (not config.persistent, abs(per_thread - 16), abs(config.block_m - rows_wanted), config.prefetch)
-
-
-def programs_per_sm(n: int) -> int:
-    """Programs per SM of the grid-stride launches: 4 for short rows, 2 at 4096 elements,
-    1 from 8192 (fastest backward on the H200 at 2048-16384, docs/benchmarks.md); fewer
-    programs also mean fewer fp32 dw partial rows (programs x N) to write and reduce."""
-    return max(1, min(4, 8192 // max(n, 1)))
-
-
-def heuristic(n: int, forward: bool = True) -> RMSNormConfig:
-    return search_space(n, forward)[0]
-
-
-def _all_configs() -> list[triton.Config]:
-    seen: dict[RMSNormConfig, None] = {}
-    for log2 in range(18):
-        for forward in (True, False):
-            seen.update(dict.fromkeys(search_space(2**log2, forward)))
-    return [c.to_triton() for c in seen]
-
-
-def _prune_fwd(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    valid = set(search_space(named_args["N"], forward=True))
-    return [c for c in configs if RMSNormConfig.from_triton(c) in valid]
-
-
-def _prune_bwd(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    valid = set(search_space(named_args["N"], forward=False))
-    return [c for c in configs if RMSNormConfig.from_triton(c) in valid]
-
-
-def _autotune(prune: object) -> dict[str, object]:
-    return {"configs": _all_configs(), "key": ["N", "HAS_WEIGHT"], "prune_configs_by": {"early_config_prune": prune}}
+from inductor_ext.kernels.norm_config import autotune_kwargs
 
 
 @triton.jit
@@ -139,7 +47,7 @@ def _scale(xhat, w_eff, X_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, GEMMA_C
     return xhat
 
 
-@triton.autotune(**_autotune(_prune_fwd))
+@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT"]))
 @triton.jit
 def rms_norm_fwd_kernel(
     X, W, Y, RSTD,
@@ -207,7 +115,7 @@ def _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
     return x, dy, rstd
 
 
-@triton.autotune(**_autotune(_prune_bwd))
+@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT"]))
 @triton.jit
 def rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,

@@ -21,6 +21,7 @@ The same aten math is registered in :data:`DECOMPOSITIONS` for the
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,31 @@ from triton.runtime.autotuner import Autotuner
 NAMESPACE = "fastops"
 
 DECOMPOSITIONS: dict[OpOverload, Callable[..., Any]] = {}
-"""fastops op overload -> aten-only implementation, merged into Inductor's table by the backend."""
+"""fastops op overload -> aten-only implementation (the math each op's body traces on the Inductor route)."""
+
+FAMILIES: dict[OpOverload, "OpFamily"] = {}
+"""Forward op overload -> its family, for the backend (which finds forward ops in graphs)."""
+
+MathRoute = Callable[[str, Sequence[Any]], bool]
+"""``(op qualname, args) -> True`` to trace an op's aten math instead of its Triton kernels."""
+
+_math_route: contextvars.ContextVar[MathRoute | None] = contextvars.ContextVar("fastops_math_route", default=None)
+
+
+@contextlib.contextmanager
+def route_ops(choose_math: MathRoute) -> Iterator[None]:
+    """While tracing under this context, each op body asks ``choose_math`` which route to trace.
+
+    This is how the ``fastops_inductor`` backend picks, per call, our kernels or Inductor's
+    code generated from the math (a decomposition table cannot: a ``triton_op`` is traced
+    into its body before the table is consulted). Without the context, bodies trace the
+    kernels on CUDA.
+    """
+    token = _math_route.set(choose_math)
+    try:
+        yield
+    finally:
+        _math_route.reset(token)
 
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -155,6 +180,7 @@ def use_eager_bypass(tensors: Sequence[torch.Tensor | None]) -> bool:
 class OpFamily:
     """A forward/backward pair of registered ops and the eager bypass around them."""
 
+    name: str
     fwd: OpOverload
     bwd: OpOverload
     eager: type[torch.autograd.Function]
@@ -163,6 +189,9 @@ class OpFamily:
     """Direct launches of the forward alone, for calls that need no gradient."""
     tensor_args: tuple[int, ...]
     """Positions of the forward's tensor arguments."""
+    run_bwd_direct: Callable[..., Any]
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None]
+    backward: Callable[..., tuple[Any, ...]]
 
     def __call__(self, *args: Any) -> Any:
         """Run the forward with autograd, bypassing the dispatcher in plain eager.
@@ -238,7 +267,9 @@ def define_op_family(
     DECOMPOSITIONS[fwd_op] = fwd_math
     DECOMPOSITIONS[bwd_op] = bwd_math
     tensor_args = tuple(i for i, a in enumerate(fwd_op._schema.arguments) if _is_tensor_type(a.type))
-    return OpFamily(fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args)
+    family = OpFamily(name, fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args, _run_bwd_direct, setup_context, backward)
+    FAMILIES[fwd_op] = family
+    return family
 
 
 _DIRECT = DirectLaunch()
@@ -259,13 +290,20 @@ def _is_tensor_type(schema_type: Any) -> bool:
     return isinstance(schema_type, torch.TensorType)
 
 
+def _traces_math(qualname: str, args: Sequence[Any]) -> bool:
+    choose_math = _math_route.get()
+    return choose_math is not None and choose_math(qualname, args)
+
+
 def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., Any]) -> OpOverload:
+    full_name = f"{NAMESPACE}::{qualname}"
+
     @functools.wraps(math)
     def body(*args: Any) -> Any:
         x = args[0]
-        if x.device.type != "cuda" or x.numel() == 0:
+        if _traces_math(full_name, args) or x.device.type != "cuda" or x.numel() == 0:
             return math(*args)
         return kernels(_TRACEABLE, *args)
 
-    triton_op(f"{NAMESPACE}::{qualname}", body, mutates_args=())
+    triton_op(full_name, body, mutates_args=())
     return getattr(getattr(torch.ops, NAMESPACE), qualname).default

@@ -20,16 +20,13 @@ import torch
 import triton
 from torch import Tensor
 
+from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.kernels.reduce import (
     SUM_ROWS_BLOCK_N,
     SUM_ROWS_BLOCK_R,
     sum_rows_kernel,
 )
-from inductor_ext.kernels.rms_norm import (
-    programs_per_sm,
-    rms_norm_bwd_kernel,
-    rms_norm_fwd_kernel,
-)
+from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
 
 CASTINGS = ("llama", "gemma")

@@ -50,7 +50,7 @@ def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting)
 
 
 def test_every_config_is_correct():
-    from inductor_ext.kernels.rms_norm import search_space
+    from inductor_ext.kernels.norm_config import search_space
     from inductor_ext.ops._library import force_launch_config
 
     for n in (4096, 70000):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.kernels.rms_norm import search_space
+from inductor_ext.kernels.norm_config import search_space
 from inductor_ext.ops._library import force_launch_config
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 from tests.conftest import DEVICE
@@ -194,11 +194,12 @@ def test_nn_module_loads_torch_and_hf_state_dicts():
 @pytest.mark.parametrize("n", [123, 4096, 16384, 70000])
 def test_autotuner_sees_the_whole_search_space(n):
     """The autotuners' config lists, pruned for N, are exactly the forward/backward search spaces."""
-    from inductor_ext.kernels import rms_norm as kernels
+    from inductor_ext.kernels import norm_config
+    from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 
     for kernel, prune, forward in (
-        (kernels.rms_norm_fwd_kernel, kernels._prune_fwd, True),
-        (kernels.rms_norm_bwd_kernel, kernels._prune_bwd, False),
+        (rms_norm_fwd_kernel, norm_config.prune_forward, True),
+        (rms_norm_bwd_kernel, norm_config.prune_backward, False),
     ):
-        pruned = [kernels.RMSNormConfig.from_triton(c) for c in prune(kernel.configs, {"N": n})]
+        pruned = [norm_config.NormConfig.from_triton(c) for c in prune(kernel.configs, {"N": n})]
         assert sorted(map(str, pruned)) == sorted(map(str, search_space(n, forward)))

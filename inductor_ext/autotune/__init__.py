@@ -1,0 +1,1 @@
+"""Compile-time tuning: random inputs, timing, and the on-disk tuning database."""

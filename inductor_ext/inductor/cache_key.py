@@ -1,0 +1,52 @@
+"""A ``CustomGraphPass`` that versions the FX-graph and AOTAutograd caches by our rules.
+
+Inductor's FX graph cache does not hash registered lowerings, and the AOTAutograd cache
+does not hash the traced op bodies' route decisions: both would serve a graph compiled
+under other rules. Both caches do hash the ``uuid()`` of the custom post-grad pass, so
+ours folds in the package version, the source of every module whose code decides what
+gets traced (ops, kernels, rewrites, route choice, options) and this compile's options
+and route decisions. torch 2.11 takes one pass per slot: a user's pass already in the
+slot is chained inside ours.
+"""
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from inductor_ext.version import __version__
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+_VERSIONED_DIRS = ("ops", "kernels", "inductor", "autotune")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the package version and the source of the modules that shape compiled graphs."""
+    digest = hashlib.sha256(__version__.encode())
+    for directory in _VERSIONED_DIRS:
+        for path in sorted((_PACKAGE / directory).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class FastopsGraphPass(CustomGraphPass):
+    """Runs the user's post-grad pass (if any); its ``uuid`` versions the caches."""
+
+    def __init__(self, state: str, chained: Any = None) -> None:
+        self.state = state
+        self.chained = chained
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Any:
+        chained = None
+        if self.chained is not None:
+            chained = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else repr(self.chained)
+        return hashlib.sha256(f"{source_digest()}|{self.state}|{chained}".encode()).hexdigest()

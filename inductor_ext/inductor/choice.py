@@ -1,0 +1,171 @@
+"""Kernel or Inductor: the route of every fastops op call in a graph, decided at compile time.
+
+For each forward op call the backend finds in a Dynamo graph, :class:`RoutePlanner`
+decides the forward's route and its backward's. Under ``"auto"`` on a GPU it builds
+random inputs from the call's shapes (no model is run), times our kernels (eager
+direct launches, autotuned) against Inductor's code compiled from the op's aten
+math (with the backend's multi-kernel setting), and keeps the faster; decisions are
+stored in the tuning database, so a later compile of the same shapes measures
+nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
+:meth:`RoutePlanner.traces_math` answers each op body (see
+:func:`inductor_ext.ops._library.route_ops`).
+"""
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.autotune.timing import median_ms, random_like, signature
+from inductor_ext.inductor.options import BackendOptions
+from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, OpFamily
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteDecision:
+    op: str
+    signature: str
+    route: str
+    """``"kernel"`` or ``"inductor"``."""
+    reason: str
+    """``"option"``, ``"cpu"``, ``"measured"`` or ``"database"``."""
+    kernel_ms: float | None = None
+    inductor_ms: float | None = None
+
+
+def _family_name(qualname: str) -> str:
+    return qualname.split("::")[-1].removesuffix("_fwd").removesuffix("_bwd")
+
+
+class RoutePlanner:
+    def __init__(self, options: BackendOptions, database: TuningDatabase | None = None) -> None:
+        self.options = options
+        self.database = database
+        self.decisions: dict[tuple[str, str], RouteDecision] = {}
+
+    def plan_graph(self, gm: torch.fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in FAMILIES:
+                args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
+                self.plan_call(FAMILIES[node.target], tuple(args))
+
+    def plan_call(self, family: OpFamily, args: Sequence[Any]) -> None:
+        route = self.options.route_for(family.name)
+        if route != "auto":
+            return  # fixed routes need no per-call decision
+        fwd_name, sig = family.fwd._name, signature(args)
+        if (fwd_name, sig) in self.decisions:
+            return
+        if args[0].device.type != "cuda":
+            self._record(RouteDecision(fwd_name, sig, "inductor", "cpu"))
+            return
+        key = f"route|{fwd_name}|{sig}|{torch.cuda.get_device_name(args[0].device)}"
+        stored = self.database.get(key) if self.database is not None else None
+        if stored is not None:
+            for entry in stored["decisions"]:
+                self._record(dataclasses.replace(RouteDecision(**entry), reason="database"))
+            return
+        decisions = measure_routes(family, args, self.options)
+        for decision in decisions:
+            self._record(decision)
+        if self.database is not None:
+            self.database.put(key, {"decisions": [dataclasses.asdict(d) for d in decisions]})
+
+    def traces_math(self, qualname: str, args: Sequence[Any]) -> bool:
+        """Asked by each fastops op body while the graph is traced: True for the Inductor route."""
+        route = self.options.route_for(_family_name(qualname))
+        if args[0].device.type != "cuda":
+            route = "inductor"  # the only route off the GPU
+        elif route == "auto":
+            decision = self.decisions.get((qualname, signature(args)))
+            if decision is None:
+                log.warning("fastops_inductor: no route decision for %s%s; using the kernel", qualname, signature(args))
+                route = "kernel"
+            else:
+                route = decision.route
+        counters["inductor_ext"][f"{qualname}->{route}"] += 1
+        return route == "inductor"
+
+    def _record(self, decision: RouteDecision) -> None:
+        self.decisions[(decision.op, decision.signature)] = decision
+        log.info("fastops_inductor: %s%s -> %s (%s; kernel %s ms, inductor %s ms)", decision.op,
+                 decision.signature, decision.route, decision.reason, decision.kernel_ms, decision.inductor_ms)  # fmt: skip
+
+
+def measure_routes(family: OpFamily, fake_args: Sequence[Any], options: BackendOptions) -> list[RouteDecision]:
+    """Time the forward and the backward on both routes at these shapes; one decision each."""
+    device = fake_args[0].device
+    with torch._guards.tracing(None), torch._subclasses.fake_tensor.unset_fake_temporarily():
+        fwd_args = [random_like(a, device) for a in fake_args]
+        bwd_args = capture_backward_args(family, fwd_args)
+        decisions = []
+        for op, args, direct in ((family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)):
+            def make_inputs(args: Sequence[Any] = args) -> list[Any]:
+                return [random_like(a) for a in args]
+
+            kernel_ms, _ = median_ms(lambda inputs, direct=direct: direct(*inputs), make_inputs)
+            compiled = compile_math(DECOMPOSITIONS[op], args, options)
+            inductor_ms, _ = median_ms(compiled, make_inputs)
+            route = "kernel" if kernel_ms <= inductor_ms else "inductor"
+            decisions.append(RouteDecision(op._name, signature(args), route, "measured", kernel_ms, inductor_ms))
+    return decisions
+
+
+class _RecordingContext:
+    """Stands in for autograd's ctx so a family's ``setup_context``/``backward`` can run outside autograd."""
+
+    def __init__(self, num_inputs: int) -> None:
+        self.needs_input_grad = (True,) * num_inputs
+        self.saved_tensors: tuple[Any, ...] = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any]) -> list[Any]:
+    """The arguments the family's backward op receives after a forward on ``fwd_args``
+    (random cotangents for the floating-point outputs)."""
+    output = family.run_fwd_direct(*fwd_args)
+    ctx = _RecordingContext(len(fwd_args))
+    family.setup_context(ctx, tuple(fwd_args), output)
+    outputs = output if isinstance(output, tuple) else (output,)
+    grads = [torch.randn_like(o) if o.is_floating_point() else None for o in outputs]
+    captured: list[Any] = []
+
+    def bwd(*args: Any) -> Any:
+        captured.extend(args)
+        return family.run_bwd_direct(*args)
+
+    family.backward(ctx, bwd, *grads)
+    return captured
+
+
+def compile_math(math: Callable[..., Any], args: Sequence[Any], options: BackendOptions) -> Callable[[Sequence[Any]], Any]:
+    """Inductor's code for ``math`` at these arguments (tensors become graph inputs)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def with_tensors(*tensors: torch.Tensor) -> Any:
+        full = list(args)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        return math(*full)
+
+    tensors = [args[i] for i in positions]
+    gm = make_fx(with_tensors)(*tensors)
+    compiled = compile_fx(gm, tensors, config_patches=options.inductor_patches())
+    return lambda inputs: compiled(*[inputs[i] for i in positions])

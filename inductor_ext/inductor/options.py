@@ -1,0 +1,116 @@
+"""Options of the ``fastops_inductor`` backend.
+
+Set them per compile through ``torch.compile(model, backend="fastops_inductor",
+options={...})`` (keys below; any other key is an Inductor config patch, e.g.
+``"cpp_wrapper": True``), or for the whole process with the environment variables
+named next to each. An explicit option beats the environment, which beats the default.
+
+``fastops.route`` (``INDUCTOR_EXT_ROUTE``)
+    How each fastops op is compiled: ``"kernel"`` (our Triton kernels, launched by
+    Inductor), ``"inductor"`` (Inductor generates the code from the op's aten math) or
+    ``"auto"`` (default: time both at the graph's shapes on random inputs at compile
+    time and keep the faster; on CPU the Inductor route). A dict sets it per op family,
+    ``{"rms_norm": "kernel", "default": "auto"}``; the environment form is
+    ``"auto,rms_norm=kernel"``.
+``fastops.multi_kernel`` (``INDUCTOR_EXT_MULTI_KERNEL``)
+    Inductor's ``triton.multi_kernel`` for our backend: 1 (default) emits persistent
+    and looped variants of each reduction and keeps the faster at run time; 0 turns it
+    off. If ``TORCHINDUCTOR_MULTI_KERNEL`` is set, or ``triton.multi_kernel`` is passed
+    as an option, that value is used instead.
+``fastops.patterns`` (``INDUCTOR_EXT_PATTERNS``)
+    Rewrite common PyTorch spellings (HF ``LlamaRMSNorm``, ``F.rms_norm``, ...) into
+    fastops ops before compiling (default true).
+``cpp_wrapper`` (``INDUCTOR_EXT_CPP_WRAPPER``)
+    Inductor's C++ wrapper; with it, ``triton.autotune_at_compile_time`` is forced on
+    (torch 2.13 otherwise defaults it off and asserts with multi-kernel).
+"""
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ROUTES = ("auto", "kernel", "inductor")
+_PREFIX = "fastops."
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    default_route: str = "auto"
+    routes: tuple[tuple[str, str], ...] = ()
+    """Per-family overrides of ``default_route``, as sorted ``(family, route)`` pairs."""
+    multi_kernel: int | None = 1
+    """None: leave Inductor's own setting (``TORCHINDUCTOR_MULTI_KERNEL`` or an explicit option)."""
+    patterns: bool = True
+    cpp_wrapper: bool = False
+
+    def route_for(self, family: str) -> str:
+        return dict(self.routes).get(family, self.default_route)
+
+    def inductor_patches(self) -> dict[str, Any]:
+        patches: dict[str, Any] = {}
+        if self.multi_kernel is not None:
+            patches["triton.multi_kernel"] = self.multi_kernel
+        if self.cpp_wrapper:
+            patches["cpp_wrapper"] = True
+            patches["triton.autotune_at_compile_time"] = True
+        return patches
+
+
+def parse_options(options: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> tuple[BackendOptions, dict[str, Any]]:
+    """Split ``torch.compile``'s ``options`` into ours and Inductor config patches."""
+    options = dict(options or {})
+    ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if k.startswith(_PREFIX)}
+    unknown = set(ours) - {"route", "multi_kernel", "patterns"}
+    if unknown:
+        raise ValueError(f"fastops_inductor: unknown options {sorted(_PREFIX + k for k in unknown)}; "
+                         f"known: fastops.route, fastops.multi_kernel, fastops.patterns")  # fmt: skip
+
+    route = ours.get("route", env.get("INDUCTOR_EXT_ROUTE", "auto"))
+    default_route, routes = _parse_route(route)
+
+    if "multi_kernel" in ours:
+        multi_kernel: int | None = int(ours["multi_kernel"])
+    elif "triton.multi_kernel" in options or "TORCHINDUCTOR_MULTI_KERNEL" in env:
+        multi_kernel = None
+    else:
+        multi_kernel = int(env.get("INDUCTOR_EXT_MULTI_KERNEL", "1"))
+
+    patterns = ours.get("patterns", _env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
+    cpp_wrapper = bool(options.pop("cpp_wrapper", _env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", False)))
+    parsed = BackendOptions(default_route, routes, multi_kernel, bool(patterns), cpp_wrapper)
+    return parsed, options
+
+
+def _parse_route(route: str | Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    if isinstance(route, str):
+        entries = dict(_split_env_route(route))
+    elif isinstance(route, Mapping):
+        entries = dict(route)
+    else:
+        raise TypeError(f"fastops_inductor: fastops.route must be a str or a dict, got {type(route).__name__}")
+    for family, value in entries.items():
+        if value not in ROUTES:
+            raise ValueError(f"fastops_inductor: route for {family!r} must be one of {ROUTES}, got {value!r}")
+    default = entries.pop("default", "auto")
+    return default, tuple(sorted(entries.items()))
+
+
+def _split_env_route(text: str) -> list[tuple[str, str]]:
+    """``"auto,rms_norm=kernel"`` -> ``[("default", "auto"), ("rms_norm", "kernel")]``."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        family, sep, value = item.partition("=")
+        pairs.append((family.strip(), value.strip()) if sep else ("default", family))
+    return pairs
+
+
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name} must be 0/1/true/false, got {value!r}")

@@ -1,0 +1,112 @@
+"""The fastops_inductor backend on a GPU: the real transformers RMSNorm classes rewritten,
+each route's generated code, auto-route timing and the tuning database, cpp_wrapper."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import inductor_ext  # noqa: F401
+from inductor_ext.inductor import choice
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+transformers = pytest.importorskip("transformers")
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _llama_norm(n: int) -> torch.nn.Module:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    module = LlamaRMSNorm(n, eps=1e-6).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(module.weight, 1.0, 0.1)
+    return module
+
+
+def _fwd_bwd_code(module, x, dy, **options):
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options=options)
+
+    def step():
+        xi = x.detach().requires_grad_()
+        y = compiled(xi)
+        (dx,) = torch.autograd.grad(y, (xi,), dy)
+        return y, dx
+
+    (y, dx), code = run_and_get_code(step)
+    return y, dx, "\n".join(code)
+
+
+@pytest.mark.parametrize("route", ["kernel", "inductor", "auto"])
+def test_llama_rms_norm_routes(route):
+    module, n = _llama_norm(4096), 4096
+    x = torch.randn(8, 512, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    y, dx, code = _fwd_bwd_code(module, x, dy, **{"fastops.route": route})
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    xd = x.double().requires_grad_()
+    y_ref = module.double()(xd)
+    (dx_ref,) = torch.autograd.grad(y_ref, (xd,), dy.double())
+    module.to(torch.bfloat16)
+    y_eager = module(x)
+    # as close to float64 as eager bf16 (HF rounds xhat to bf16 before the weight multiply), with slack
+    assert rel_err(y, y_ref) <= 1.5 * max(rel_err(y_eager, y_ref), 4e-3)
+    assert rel_err(dx, dx_ref) < 1e-2
+    ours = "rms_norm_fwd_kernel" in code, "rms_norm_bwd_kernel" in code
+    if route == "kernel":
+        assert ours == (True, True)
+    if route == "inductor":
+        assert ours == (False, False)
+        assert "multi_kernel" in code.lower()
+    if route == "auto":
+        decided = counters["inductor_ext"]
+        assert decided["fastops::rms_norm_fwd->kernel"] + decided["fastops::rms_norm_fwd->inductor"] >= 1
+        assert decided["fastops::rms_norm_bwd->kernel"] + decided["fastops::rms_norm_bwd->inductor"] == 1
+
+
+def test_auto_route_uses_the_database_when_warm(monkeypatch):
+    module = _llama_norm(2048)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    measure = choice.measure_routes
+    monkeypatch.setattr(choice, "measure_routes", lambda *a: calls.append(a) or measure(*a))
+    for _ in range(2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(module, backend="fastops_inductor", fullgraph=True)(x)
+    assert len(calls) == 1  # the second compile read both decisions from the database
+
+
+def test_gemma_and_torch_rms_norm_rewrites():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    for module, name in ((GemmaRMSNorm(1024), "rms_norm_gemma"), (torch.nn.RMSNorm(1024, eps=1e-6), "rms_norm_torch")):
+        torch._dynamo.reset()
+        module = module.cuda().to(torch.bfloat16)
+        torch.nn.init.normal_(module.weight, 0.5, 0.1)
+        x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options={"fastops.route": "kernel"})
+        with torch.no_grad():
+            y = compiled(x)
+            y_ref = module.double()(x.double())
+            module.to(torch.bfloat16)
+            assert rel_err(y, y_ref) < 1e-2
+        assert counters["inductor_ext"][f"rewrite_{name}"] == 1
+
+
+def test_cpp_wrapper_auto_route():
+    module = _llama_norm(4096)
+    x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options={"cpp_wrapper": True})
+    with torch.no_grad():
+        y, code = run_and_get_code(compiled, x)
+        assert rel_err(y, module(x)) < 1e-2
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1

@@ -1,0 +1,233 @@
+"""The fastops_inductor backend on CPU: options, rewrites (forward and backward on the
+fastops ops), routes, generated code, cpp_wrapper and cache keys.
+
+The HF spellings are reproduced verbatim (transformers is not a test dependency);
+tests/gpu/test_backend_gpu.py runs the real transformers classes.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.inductor.cache_key import FastopsGraphPass
+from inductor_ext.inductor.options import BackendOptions, parse_options
+from tests.tolerances import OUTPUT, reduced_grad, rel_err
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """transformers.models.llama.modeling_llama.LlamaRMSNorm's forward, verbatim."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """transformers.models.gemma.modeling_gemma.GemmaRMSNorm, verbatim."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(0.1 * torch.randn(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class FunctionalRMSNorm(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+
+
+class NotRMSNorm(torch.nn.Module):
+    """Normalises over dim 0: must be left alone."""
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(tmp_path, monkeypatch):
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _run(module, x, **compile_kwargs):
+    """(compiled output, compiled grads) and (eager output, eager grads) for a random cotangent."""
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, **compile_kwargs)
+    dy = torch.randn(x.shape)
+    results = []
+    for fn in (compiled, module):
+        module.zero_grad()
+        xi = x.detach().clone().requires_grad_()
+        y = fn(xi)
+        y.backward(dy.to(y.dtype))
+        results.append((y.detach(), xi.grad, [p.grad for p in module.parameters()]))
+    return results
+
+
+REWRITES = [
+    (LlamaRMSNorm, "rms_norm_hf_llama"),
+    (GemmaRMSNorm, "rms_norm_gemma"),
+    (lambda n: torch.nn.RMSNorm(n, eps=1e-5), "rms_norm_torch"),
+    (FunctionalRMSNorm, "rms_norm_torch"),
+]
+
+
+@pytest.mark.parametrize("make,rewrite", REWRITES, ids=[r[1] + str(i) for i, r in enumerate(REWRITES)])
+def test_rms_norm_spellings_are_rewritten_forward_and_backward(make, rewrite):
+    module = make(96)
+    if isinstance(module, torch.nn.RMSNorm):
+        torch.nn.init.normal_(module.weight, 1.0, 0.1)
+    (y, dx, dws), (y_e, dx_e, dws_e) = _run(module, torch.randn(3, 5, 96))
+    assert counters["inductor_ext"][f"rewrite_{rewrite}"] == 1
+    # both fastops ops were traced (on CPU: the Inductor route), so autograd went through ours
+    assert counters["inductor_ext"]["fastops::rms_norm_fwd->inductor"] >= 1
+    assert counters["inductor_ext"]["fastops::rms_norm_bwd->inductor"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    tol = OUTPUT[torch.float32]
+    assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
+    for dw, dw_e in zip(dws, dws_e):
+        assert rel_err(dw, dw_e) < reduced_grad(torch.float32, 15)
+
+
+def test_bf16_llama_rewrite_keeps_hf_rounding():
+    module = LlamaRMSNorm(128).to(torch.bfloat16)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    (y, dx, _), (y_e, dx_e, _) = _run(module, x)
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    assert y.dtype == torch.bfloat16
+    ref = module.float()(x.double().float()).double()  # fp32 math as the reference's upper bound
+    assert rel_err(y, y_e) <= 2 * OUTPUT[torch.bfloat16]
+    assert rel_err(y, ref) < OUTPUT[torch.bfloat16]
+
+
+def test_near_miss_is_left_alone():
+    module = NotRMSNorm()
+    (y, dx, _), (y_e, dx_e, _) = _run(module, torch.randn(6, 32))
+    assert not any(k.startswith("rewrite_") for k in counters["inductor_ext"])
+    assert rel_err(y, y_e) < OUTPUT[torch.float32]
+
+
+def test_patterns_option_turns_rewrites_off():
+    _run(LlamaRMSNorm(64), torch.randn(2, 64), options={"fastops.patterns": False})
+    assert not any(k.startswith("rewrite_") for k in counters["inductor_ext"])
+
+
+def test_generated_code_has_no_call_back_to_the_op():
+    module = LlamaRMSNorm(64)
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True)
+    with torch.no_grad():
+        _, code = run_and_get_code(compiled, torch.randn(8, 64))
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    assert "fastops" not in "\n".join(code)
+
+
+def test_cpp_wrapper_option():
+    module = LlamaRMSNorm(64)
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options={"cpp_wrapper": True})
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        y, code = run_and_get_code(compiled, x)
+        assert rel_err(y, module(x)) < OUTPUT[torch.float32]
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    assert any("extern \"C\"" in c or "cpp_wrapper" in c or "AOTInductor" in c for c in code)
+
+
+def test_dynamic_shapes_do_not_recompile():
+    module = LlamaRMSNorm(64)
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 17, 40):
+            x = torch.randn(rows, 64)
+            assert rel_err(compiled(x), module(x)) < OUTPUT[torch.float32]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_parse_options_defaults_env_and_precedence():
+    ours, rest = parse_options({"cpp_wrapper": True, "max_autotune": False}, env={})
+    assert ours == BackendOptions(cpp_wrapper=True) and rest == {"max_autotune": False}
+    assert ours.inductor_patches() == {
+        "triton.multi_kernel": 1, "cpp_wrapper": True, "triton.autotune_at_compile_time": True
+    }  # fmt: skip
+    env = {"INDUCTOR_EXT_ROUTE": "kernel,cross_entropy=inductor", "INDUCTOR_EXT_PATTERNS": "0"}
+    ours, _ = parse_options(None, env=env)
+    assert ours.route_for("rms_norm") == "kernel" and ours.route_for("cross_entropy") == "inductor"
+    assert ours.patterns is False
+    ours, _ = parse_options({"fastops.route": {"rms_norm": "inductor"}}, env=env)  # option beats env
+    assert ours.route_for("rms_norm") == "inductor" and ours.route_for("glu") == "auto"
+    # Inductor's own multi-kernel setting is respected
+    assert parse_options(None, env={"TORCHINDUCTOR_MULTI_KERNEL": "0"})[0].multi_kernel is None
+    assert parse_options({"triton.multi_kernel": 0}, env={})[0].multi_kernel is None
+    assert parse_options(None, env={"INDUCTOR_EXT_MULTI_KERNEL": "0"})[0].multi_kernel == 0
+
+
+@pytest.mark.parametrize(
+    "options,env,message",
+    [
+        ({"fastops.rout": "auto"}, {}, "unknown options"),
+        ({"fastops.route": "fast"}, {}, "must be one of"),
+        ({"fastops.route": 3}, {}, "must be a str or a dict"),
+        (None, {"INDUCTOR_EXT_PATTERNS": "maybe"}, "INDUCTOR_EXT_PATTERNS must be"),
+    ],
+)
+def test_bad_options_are_named(options, env, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        parse_options(options, env=env)
+
+
+def test_bad_option_through_torch_compile():
+    compiled = torch.compile(LlamaRMSNorm(8), backend="fastops_inductor", options={"fastops.route": "fast"})
+    with pytest.raises(Exception, match="must be one of"):
+        compiled(torch.randn(2, 8))
+
+
+def test_cache_pass_uuid_tracks_state_and_chains_user_pass():
+    seen = []
+
+    class UserPass(FastopsGraphPass):  # any CustomGraphPass
+        def __call__(self, graph):
+            seen.append(graph)
+
+    a, b = FastopsGraphPass("route=auto"), FastopsGraphPass("route=kernel")
+    assert a.uuid() != b.uuid() and a.uuid() == FastopsGraphPass("route=auto").uuid()
+    chained = FastopsGraphPass("route=auto", chained=UserPass("user"))
+    assert chained.uuid() != a.uuid()
+    chained(torch.fx.Graph())
+    assert len(seen) == 1
+
+
+def test_fx_graph_cache_misses_when_our_options_change(monkeypatch, tmp_path):
+    """Same model, different fastops options: the second compile must not be served from the cache."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(config, "fx_graph_cache", True)
+    module, x = LlamaRMSNorm(32), torch.randn(4, 32)
+    with torch.no_grad():
+        for route in ("auto", "inductor", "auto"):
+            torch._dynamo.reset()
+            torch.compile(module, backend="fastops_inductor", options={"fastops.route": route})(x)
+    assert counters["inductor"]["fxgraph_cache_miss"] == 2
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1
