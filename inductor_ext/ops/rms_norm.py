@@ -21,13 +21,9 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.norm_config import programs_per_sm
-from inductor_ext.kernels.reduce import (
-    SUM_ROWS_BLOCK_N,
-    SUM_ROWS_BLOCK_R,
-    sum_rows_kernel,
-)
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
+from inductor_ext.ops._reduce import sum_partial_rows
 
 CASTINGS = ("llama", "gemma")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,12 +98,7 @@ def rms_norm_bwd_kernels(
         dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), M, N, offset,
         HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
-    if weight is None:
-        return dx, partial
-    dw = torch.empty_like(weight)
-    launch(sum_rows_kernel, lambda meta: (triton.cdiv(N, SUM_ROWS_BLOCK_N),), partial, dw, programs, N,
-           BLOCK_R=SUM_ROWS_BLOCK_R, BLOCK_N=SUM_ROWS_BLOCK_N)  # fmt: skip
-    return dx, dw
+    return dx, sum_partial_rows(launch, partial, weight)
 
 
 def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
