@@ -11,6 +11,7 @@ nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 :func:`inductor_ext.ops._library.route_ops`).
 """
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.timing import median_ms, random_like, signature
+from inductor_ext.autotune.timing import median_ms, random_like, signature, size_hint
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, OpFamily
 
@@ -99,21 +100,35 @@ class RoutePlanner:
 
 
 def measure_routes(family: OpFamily, fake_args: Sequence[Any], options: BackendOptions) -> list[RouteDecision]:
-    """Time the forward and the backward on both routes at these shapes; one decision each."""
-    device = fake_args[0].device
-    with torch._guards.tracing(None), torch._subclasses.fake_tensor.unset_fake_temporarily():
-        fwd_args = [random_like(a, device) for a in fake_args]
-        bwd_args = capture_backward_args(family, fwd_args)
-        decisions = []
-        for op, args, direct in ((family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)):
-            def make_inputs(args: Sequence[Any] = args) -> list[Any]:
-                return [random_like(a) for a in args]
+    """Time the forward and the backward on both routes at these shapes; one decision each.
 
-            kernel_ms, _ = median_ms(lambda inputs, direct=direct: direct(*inputs), make_inputs)
-            compiled = compile_math(DECOMPOSITIONS[op], args, options)
-            inductor_ms, _ = median_ms(compiled, make_inputs)
-            route = "kernel" if kernel_ms <= inductor_ms else "inductor"
-            decisions.append(RouteDecision(op._name, signature(args), route, "measured", kernel_ms, inductor_ms))
+    Runs on a worker thread: the caller is inside Dynamo's compile (a tracing context,
+    fake-tensor and dispatch modes, all thread-local), and the timing needs real tensors
+    and an independent Inductor compile of the math.
+    """
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        specs = [(_meta_like(a), a.device) if isinstance(a, torch.Tensor) else (a, None) for a in fake_args]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_measure_routes, family, specs, options).result()
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty([size_hint(s) for s in t.shape], dtype=t.dtype, device="meta")
+
+
+def _measure_routes(family: OpFamily, specs: Sequence[tuple[Any, Any]], options: BackendOptions) -> list[RouteDecision]:
+    fwd_args = [random_like(value, device) if device is not None else value for value, device in specs]
+    bwd_args = capture_backward_args(family, fwd_args)
+    decisions = []
+    for op, args, direct in ((family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)):
+        def make_inputs(args: Sequence[Any] = args) -> list[Any]:
+            return [random_like(a) for a in args]
+
+        kernel_ms, _ = median_ms(lambda inputs, direct=direct: direct(*inputs), make_inputs)
+        compiled = compile_math(DECOMPOSITIONS[op], args, options)
+        inductor_ms, _ = median_ms(compiled, make_inputs)
+        route = "kernel" if kernel_ms <= inductor_ms else "inductor"
+        decisions.append(RouteDecision(op._name, signature(args), route, "measured", kernel_ms, inductor_ms))
     return decisions
 
 
@@ -167,5 +182,7 @@ def compile_math(math: Callable[..., Any], args: Sequence[Any], options: Backend
 
     tensors = [args[i] for i in positions]
     gm = make_fx(with_tensors)(*tensors)
-    compiled = compile_fx(gm, tensors, config_patches=options.inductor_patches())
+    # the wrapper language does not change the kernels being timed
+    patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}
+    compiled = compile_fx(gm, tensors, config_patches=patches)
     return lambda inputs: compiled(*[inputs[i] for i in positions])

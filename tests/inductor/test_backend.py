@@ -231,3 +231,37 @@ def test_fx_graph_cache_misses_when_our_options_change(monkeypatch, tmp_path):
             torch.compile(module, backend="fastops_inductor", options={"fastops.route": route})(x)
     assert counters["inductor"]["fxgraph_cache_miss"] == 2
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
+def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch):
+    """measure_routes is called from within a backend (Dynamo's tracing context and fake tensors
+    active): it must build real inputs, run the kernels, compile the math with Inductor and time
+    both. Timed with a CPU clock here (CUDA events on a GPU)."""
+    import time
+
+    from inductor_ext.autotune import timing
+    from inductor_ext.inductor import choice
+    from inductor_ext.ops.rms_norm import rms_norm_family
+
+    def cpu_median_ms(run, make_inputs):
+        inputs = make_inputs()
+        run(inputs)
+        start = time.perf_counter()
+        run(inputs)
+        return (time.perf_counter() - start) * 1e3, 0.0
+
+    monkeypatch.setattr(choice, "median_ms", cpu_median_ms)
+    assert timing.median_ms is not cpu_median_ms
+    decisions = []
+
+    def backend(gm, example_inputs):
+        x, w = example_inputs
+        options = BackendOptions(cpp_wrapper=True)
+        decisions.extend(choice.measure_routes(rms_norm_family, (x.view(-1, 48), w, 1e-6, 0.0, "llama"), options))
+        return gm.forward
+
+    x, w = torch.randn(6, 48), torch.randn(48)
+    torch.compile(lambda x, w: x * w, backend=backend, fullgraph=True)(x, w)
+    assert [d.op for d in decisions] == ["fastops::rms_norm_fwd", "fastops::rms_norm_bwd"]
+    assert all(d.kernel_ms > 0 and d.inductor_ms > 0 and d.route in ("kernel", "inductor") for d in decisions)
+    assert decisions[1].signature.startswith("(float32[6,48], float32[6,48], float32[48], float32[6]")
