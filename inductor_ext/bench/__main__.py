@@ -17,6 +17,9 @@ from inductor_ext.bench import harness
 
 OPS = ["rms_norm"]
 """Ops with a benchmark module; a new op adds its name here."""
+OPS += ["layer_norm"]
+OPS += ["cross_entropy", "fused_linear_cross_entropy"]
+OPS += ["glu", "rope"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,14 +14,15 @@ nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.timing import median_ms, random_like, signature, size_hint
+from inductor_ext.autotune.inputs import random_inputs
+from inductor_ext.autotune.timing import median_ms, signature, size_hint
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, OpFamily
 
@@ -44,6 +45,25 @@ def _family_name(qualname: str) -> str:
     return qualname.split("::")[-1].removesuffix("_fwd").removesuffix("_bwd")
 
 
+def route_key(fwd_name: str, sig: str, device_name: str) -> str:
+    """The tuning-database key of the route decisions for one forward call (and its backward):
+    ``route|<fwd op>|<signature>|<device name>`` (the GPU's name, ``"cpu"`` on CPU)."""
+    return f"route|{fwd_name}|{sig}|{device_name}"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def fastops_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[OpFamily, tuple[Any, ...]]]:
+    """Every fastops forward op call in ``gm``, with its arguments' example values."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in FAMILIES:
+            # Dynamo graphs record "example_value", exported programs "val"
+            args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("example_value", n.meta.get("val")))
+            yield FAMILIES[node.target], tuple(args)
+
+
 class RoutePlanner:
     def __init__(self, options: BackendOptions, database: TuningDatabase | None = None) -> None:
         self.options = options
@@ -51,10 +71,8 @@ class RoutePlanner:
         self.decisions: dict[tuple[str, str], RouteDecision] = {}
 
     def plan_graph(self, gm: torch.fx.GraphModule) -> None:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in FAMILIES:
-                args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
-                self.plan_call(FAMILIES[node.target], tuple(args))
+        for family, args in fastops_calls(gm):
+            self.plan_call(family, args)
 
     def plan_call(self, family: OpFamily, args: Sequence[Any]) -> None:
         route = self.options.route_for(family.name)
@@ -66,17 +84,8 @@ class RoutePlanner:
         if args[0].device.type != "cuda":
             self._record(RouteDecision(fwd_name, sig, "inductor", "cpu"))
             return
-        key = f"route|{fwd_name}|{sig}|{torch.cuda.get_device_name(args[0].device)}"
-        stored = self.database.get(key) if self.database is not None else None
-        if stored is not None:
-            for entry in stored["decisions"]:
-                self._record(dataclasses.replace(RouteDecision(**entry), reason="database"))
-            return
-        decisions = measure_routes(family, args, self.options)
-        for decision in decisions:
+        for decision in decide_routes(family, args, self.options, self.database, args[0].device):
             self._record(decision)
-        if self.database is not None:
-            self.database.put(key, {"decisions": [dataclasses.asdict(d) for d in decisions]})
 
     def traces_math(self, qualname: str, args: Sequence[Any]) -> bool:
         """Asked by each fastops op body while the graph is traced: True for the Inductor route."""
@@ -99,30 +108,57 @@ class RoutePlanner:
                  decision.signature, decision.route, decision.reason, decision.kernel_ms, decision.inductor_ms)  # fmt: skip
 
 
-def measure_routes(family: OpFamily, fake_args: Sequence[Any], options: BackendOptions) -> list[RouteDecision]:
+def decide_routes(
+    family: OpFamily, args: Sequence[Any], options: BackendOptions, database: TuningDatabase | None, device: torch.device
+) -> list[RouteDecision]:
+    """The route decisions of a forward call and its backward on ``device`` (a GPU): read from
+    ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
+    timed), else measured and stored there. The backend and the standalone autotuner
+    (``python -m inductor_ext.autotune``) both decide through here.
+    """
+    key = route_key(family.fwd._name, signature(args), device_name(device))
+    stored = database.get(key) if database is not None else None
+    if stored is not None:
+        return [dataclasses.replace(RouteDecision(**entry), reason="database") for entry in stored["decisions"]]
+    decisions = measure_routes(family, args, options, device)
+    if database is not None:
+        database.put(key, {"decisions": [dataclasses.asdict(d) for d in decisions]})
+    return decisions
+
+
+def measure_routes(
+    family: OpFamily, fake_args: Sequence[Any], options: BackendOptions, device: torch.device | None = None
+) -> list[RouteDecision]:
     """Time the forward and the backward on both routes at these shapes; one decision each.
 
-    Runs on a worker thread: the caller is inside Dynamo's compile (a tracing context,
+    ``fake_args`` give shapes and dtypes only (fake, meta or real tensors); the random
+    inputs (:func:`inductor_ext.autotune.inputs.random_inputs`) are made on ``device``
+    (default: the first argument's device).
+
+    Runs on a worker thread: the caller may be inside Dynamo's compile (a tracing context,
     fake-tensor and dispatch modes, all thread-local), and the timing needs real tensors
     and an independent Inductor compile of the math.
     """
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        specs = [(_meta_like(a), a.device) if isinstance(a, torch.Tensor) else (a, None) for a in fake_args]
+        meta_args = [_meta_like(a) if isinstance(a, torch.Tensor) else a for a in fake_args]
+    device = device if device is not None else fake_args[0].device
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_measure_routes, family, specs, options).result()
+        return pool.submit(_measure_routes, family, meta_args, device, options).result()
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty([size_hint(s) for s in t.shape], dtype=t.dtype, device="meta")
 
 
-def _measure_routes(family: OpFamily, specs: Sequence[tuple[Any, Any]], options: BackendOptions) -> list[RouteDecision]:
-    fwd_args = [random_like(value, device) if device is not None else value for value, device in specs]
+def _measure_routes(
+    family: OpFamily, meta_args: Sequence[Any], device: torch.device, options: BackendOptions
+) -> list[RouteDecision]:
+    fwd_args = random_inputs(family.fwd, meta_args, device)
     bwd_args = capture_backward_args(family, fwd_args)
     decisions = []
     for op, args, direct in ((family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)):
-        def make_inputs(args: Sequence[Any] = args) -> list[Any]:
-            return [random_like(a) for a in args]
+        def make_inputs(op: Any = op, args: Sequence[Any] = args) -> list[Any]:
+            return random_inputs(op, args)
 
         kernel_ms, _ = median_ms(lambda inputs, direct=direct: direct(*inputs), make_inputs)
         compiled = compile_math(DECOMPOSITIONS[op], args, options)

@@ -21,7 +21,10 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from inductor_ext.ops._library import OpFamily
+from inductor_ext.ops.cross_entropy import cross_entropy_family
+from inductor_ext.ops.glu import glu_family
 from inductor_ext.ops.rms_norm import rms_norm_family
+from inductor_ext.ops.rope import rope_family
 
 Rewrite = Callable[[Node], Node | None]
 
@@ -42,8 +45,8 @@ def apply_rewrites(gm: GraphModule) -> dict[str, int]:
     applied = dict.fromkeys(REWRITES, 0)
     for name, rewrite in REWRITES.items():
         for node in list(gm.graph.nodes):
-            if node.graph is not gm.graph or node.op not in ("call_function", "call_method"):
-                continue  # erased by an earlier rewrite
+            if node.graph is not gm.graph or node.op not in ("call_function", "call_method") or not node.users:
+                continue  # erased, or already replaced by a rewrite that covered two outputs
             replacement = rewrite(node)
             if replacement is not None:
                 replacement.meta.update({k: v for k, v in node.meta.items() if k not in replacement.meta})
@@ -114,19 +117,24 @@ def _is_last_dim(dim: Any, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
-def _insert_family_call(node: Node, family: OpFamily, x: Node, args: tuple[Any, ...]) -> Node:
-    """``family(x2d, *args)[0]`` viewed back to x's shape, inserted before ``node``.
+def _insert_rows_call(node: Node, family: OpFamily, rows: list[Node], args: tuple[Any, ...], like: Node) -> Node:
+    """``family(*rows as 2-D, *args)`` (its first output), viewed back to ``like``'s shape, before ``node``.
 
-    Mirrors the public functions: flatten leading dims to 2-D outside the op, unit stride
-    along the normalised dim.
+    Mirrors the public functions: leading dims flattened outside the op, unit stride along
+    the last dim (a copy only when the example value lacks it).
     """
     graph: Graph = node.graph
-    n = _value(x).shape[-1]
     with graph.inserting_before(node):
-        x2d = _with_value(graph.call_method("contiguous", (_with_value(graph.call_method("reshape", (x, -1, n))),)))
-        out = _with_value(graph.call_function(family.fwd, (x2d, *args)))
-        y2d = _with_value(graph.call_function(operator.getitem, (out, 0)))
-        return _with_value(graph.call_method("view_as", (y2d, x)))
+        flat = []
+        for row in rows:
+            row2d = _with_value(graph.call_method("reshape", (row, -1, _value(row).shape[-1])))
+            if _value(row).stride(-1) != 1:
+                row2d = _with_value(graph.call_method("contiguous", (row2d,)))
+            flat.append(row2d)
+        out = _with_value(graph.call_function(family.fwd, (*flat, *args)))
+        if isinstance(_value(out), (tuple, list)):
+            out = _with_value(graph.call_function(operator.getitem, (out, 0)))
+        return _with_value(graph.call_method("view_as", (out, like)))
 
 
 def _with_value(node: Node) -> Node:
@@ -190,6 +198,15 @@ def _is_weight_for(weight: Any, x: Node) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 1 and w.shape[0] == xv.shape[-1] and w.device == xv.device
 
 
+def _weight_multiply(node: Node, operand: Node, x: Node) -> bool:
+    """``w * operand`` or ``operand * w`` with ``w`` a weight for rows of ``x``."""
+    operands = _binary_operands(node, _MUL, "mul")
+    if operands is None or operand not in operands:
+        return False
+    other = operands[1] if operands[0] is operand else operands[0]
+    return _is_weight_for(other, x)
+
+
 @register_rewrite("rms_norm_hf_llama")
 def _hf_llama(node: Node) -> Node | None:
     """HF ``LlamaRMSNorm``: ``w * (h * rsqrt(mean(h**2) + eps)).to(x.dtype)`` (also without ``w``)."""
@@ -211,9 +228,11 @@ def _hf_llama(node: Node) -> Node | None:
     x, eps = normed
     if cast[1] != _value(x).dtype or (weight is not None and not _is_weight_for(weight, x)):
         return None
+    if weight is None and any(_weight_multiply(user, node, x) for user in node.users):
+        return None  # the weight multiply after this cast is the match (folding the weight in)
     if weight is not None and _value(node).dtype != torch.promote_types(_value(x).dtype, _value(weight).dtype):
         return None
-    return _insert_family_call(node, rms_norm_family, x, (weight, eps, 0.0, "llama"))
+    return _insert_rows_call(node, rms_norm_family, [x], (weight, eps, 0.0, "llama"), x)
 
 
 @register_rewrite("rms_norm_gemma")
@@ -239,7 +258,7 @@ def _gemma(node: Node) -> Node | None:
             return None
         if not _is_weight_for(weight, x) or cast[1] != _value(x).dtype:
             return None
-        return _insert_family_call(node, rms_norm_family, x, (weight, eps, float(offset), "gemma"))
+        return _insert_rows_call(node, rms_norm_family, [x], (weight, eps, float(offset), "gemma"), x)
     return None
 
 
@@ -266,4 +285,178 @@ def _torch_rms_norm(node: Node) -> Node | None:
         eps = torch.finfo(xv.dtype).eps
     if not isinstance(eps, (int, float)):
         return None
-    return _insert_family_call(node, rms_norm_family, x, (weight, float(eps), 0.0, "llama"))
+    return _insert_rows_call(node, rms_norm_family, [x], (weight, float(eps), 0.0, "llama"), x)
+
+
+# ---------------------------------------------------------------- SwiGLU / GeGLU
+
+_SUPPORTED_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _glu_activation(node: Any) -> tuple[Node, str] | None:
+    """``F.silu(a)`` / ``F.gelu(a, approximate=...)`` -> (a, the glu op's activation name)."""
+    if _is_call(node, (torch.nn.functional.silu,)) and len(node.args) == 1 and not node.kwargs.get("inplace"):
+        return node.args[0], "silu"
+    if _is_call(node, (torch.nn.functional.gelu,)) and len(node.args) == 1:
+        approximate = node.kwargs.get("approximate", "none")
+        if set(node.kwargs) <= {"approximate"} and approximate in ("none", "tanh"):
+            return node.args[0], "gelu_tanh" if approximate == "tanh" else "gelu"
+    return None
+
+
+@register_rewrite("glu")
+def _glu(node: Node) -> Node | None:
+    """``act(gate) * up`` (either order) with act SiLU (SwiGLU: HF ``LlamaMLP``) or GELU (GeGLU)."""
+    operands = _binary_operands(node, _MUL, "mul")
+    if operands is None:
+        return None
+    for act, up in (operands, operands[::-1]):
+        matched = _glu_activation(act)
+        if matched is None or not isinstance(up, Node):
+            continue
+        gate, activation = matched
+        g, u, out = _value(gate), _value(up), _value(node)
+        if not all(isinstance(t, torch.Tensor) for t in (g, u, out)):
+            return None
+        if g.shape != u.shape or out.shape != g.shape or g.dim() == 0 or g.device != u.device:
+            return None
+        if not g.dtype == u.dtype == out.dtype or g.dtype not in _SUPPORTED_FLOATS:
+            return None
+        return _insert_rows_call(node, glu_family, [gate, up], (activation,), gate)
+    return None
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+
+@register_rewrite("cross_entropy")
+def _cross_entropy(node: Node) -> Node | None:
+    """``F.cross_entropy(logits (N, V), labels (N,), ...)`` without class weights (HF ``ForCausalLMLoss``
+    ends in it). An fp32 upcast of 16-bit logits is absorbed: the op computes in fp32 anyway."""
+    if not _is_call(node, (torch.nn.functional.cross_entropy,)):
+        return None
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    if set(bound) - set(names) or any(bound.get(k) is not None for k in ("weight", "size_average", "reduce")):
+        return None
+    logits, labels = bound.get("input"), bound.get("target")
+    ignore_index, reduction = bound.get("ignore_index", -100), bound.get("reduction", "mean")
+    smoothing = bound.get("label_smoothing", 0.0)
+    lv, tv, out = _value(logits), _value(labels), _value(node)
+    if not isinstance(lv, torch.Tensor) or not isinstance(tv, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    if lv.dim() != 2 or tv.dim() != 1 or tv.dtype not in (torch.int64, torch.int32) or lv.dtype not in _SUPPORTED_FLOATS:
+        return None
+    if not isinstance(ignore_index, int) or reduction not in ("mean", "sum", "none"):
+        return None
+    if not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool):
+        return None
+    upcast = _dtype_cast(logits)
+    if upcast is not None and upcast[1] == torch.float32 and _value(upcast[0]).dtype in _SUPPORTED_FLOATS:
+        logits = upcast[0]  # the op reads 16-bit logits and computes in fp32
+    compute_grad = out.requires_grad  # Dynamo's example value: grad mode on and logits requiring grad
+    args = (int(ignore_index), float(smoothing), 0.0, 0.0, reduction, compute_grad)
+    graph: Graph = node.graph
+    with graph.inserting_before(node):
+        rows = logits if _value(logits).stride(-1) == 1 else _with_value(graph.call_method("contiguous", (logits,)))
+        result = _with_value(graph.call_function(cross_entropy_family.fwd, (rows, labels, *args)))
+        loss = _with_value(graph.call_function(operator.getitem, (result, 0)))
+        if _value(loss).dtype != out.dtype:
+            loss = _with_value(graph.call_method("to", (loss, out.dtype)))
+        return loss
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def _rotate_half_source(node: Any) -> Node | None:
+    """HF ``rotate_half(x)`` = ``cat((-x[..., h:], x[..., :h]), dim=-1)`` with h = D/2 -> x."""
+    if not _is_call(node, (torch.cat,)):
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or dim != -1:
+        return None
+    neg, first = tensors
+    if not _is_call(neg, (operator.neg, torch.neg), ("neg",)) or len(neg.args) != 1:
+        return None
+    second = neg.args[0]
+    halves = []
+    for part in (first, second):
+        if not _is_call(part, (operator.getitem,)) or not isinstance(part.args[1], tuple) or len(part.args[1]) != 2:
+            return None
+        if part.args[1][0] is not Ellipsis or not isinstance(part.args[1][1], slice):
+            return None
+        halves.append((part.args[0], part.args[1][1]))
+    (x, low), (x2, high) = halves
+    d = _value(x).shape[-1] if isinstance(_value(x), torch.Tensor) else None
+    if x is not x2 or d is None or d % 2:
+        return None
+    if (low.start, low.stop, low.step) not in ((None, d // 2, None), (0, d // 2, None)):
+        return None
+    return x if (high.start, high.stop, high.step) == (d // 2, None, None) else None
+
+
+def _unsqueezed_table(node: Any) -> tuple[Node, int] | None:
+    """``table.unsqueeze(d)`` -> (table, d)."""
+    if _is_call(node, (torch.unsqueeze,), ("unsqueeze",)) and len(node.args) == 2 and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _rotary(node: Node) -> tuple[Node, Node, Node, int, Node] | None:
+    """``x * cos.unsqueeze(d) + rotate_half(x) * sin.unsqueeze(d)`` (any operand order)
+    -> (x, cos, sin, d, the unsqueezed cos node)."""
+    terms = _binary_operands(node, _ADD, "add")
+    if terms is None:
+        return None
+    for cos_term, sin_term in (terms, terms[::-1]):
+        cos_ops = _binary_operands(cos_term, _MUL, "mul") if isinstance(cos_term, Node) else None
+        sin_ops = _binary_operands(sin_term, _MUL, "mul") if isinstance(sin_term, Node) else None
+        if cos_ops is None or sin_ops is None:
+            continue
+        for x, cos_u in (cos_ops, cos_ops[::-1]):
+            for rotated, sin_u in (sin_ops, sin_ops[::-1]):
+                cos, sin = _unsqueezed_table(cos_u), _unsqueezed_table(sin_u)
+                if cos and sin and cos[1] == sin[1] and _rotate_half_source(rotated) is x:
+                    return x, cos[0], sin[0], cos[1], cos_u
+    return None
+
+
+@register_rewrite("rope_hf")
+def _rope(node: Node) -> Node | None:
+    """HF ``apply_rotary_pos_emb``: the q and k rotations sharing one cos/sin pair become one op call.
+
+    A rotation whose partner is not found (only q rotated, other tables) is left alone.
+    """
+    matched = _rotary(node)
+    if matched is None:
+        return None
+    q, cos, sin, d, cos_u = matched
+    # the partner rotation multiplies by the same unsqueezed cos (HF unsqueezes once for q and k)
+    candidates = [add for mul in cos_u.users for add in mul.users if add is not node and add.users]
+    partners = [(c, r) for c in candidates if (r := _rotary(c)) is not None and r[1:4] == (cos, sin, d) and r[0] is not q]
+    if not partners:
+        return None
+    k_node, k = partners[0][0], partners[0][1][0]
+    qv, kv, cv, sv = (_value(n) for n in (q, k, cos, sin))
+    if qv.dim() != 4 or kv.dim() != 4 or qv.dtype != kv.dtype or d not in (1, 2, -3, -2):
+        return None
+    if cv.shape != sv.shape or cv.dim() not in (2, 3) or cv.shape[-1] != qv.shape[-1] or cv.requires_grad:
+        return None
+    if sv.requires_grad or qv.dtype not in _SUPPORTED_FLOATS or cv.dtype != sv.dtype:
+        return None
+    if _value(node).dtype != torch.promote_types(qv.dtype, cv.dtype):
+        return None
+    graph: Graph = node.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(node, k_node, key=order.__getitem__)
+    if any(order[n] > order[first] for n in (q, k, cos, sin)):
+        return None  # an input is computed between the two rotations: leave them
+    with graph.inserting_before(first):
+        out = _with_value(graph.call_function(rope_family.fwd, (q, k, cos, sin, None, 1 if d in (1, -3) else 2)))
+        q_embed = _with_value(graph.call_function(operator.getitem, (out, 0)))
+        k_embed = _with_value(graph.call_function(operator.getitem, (out, 1)))
+    k_embed.meta.update({key: v for key, v in k_node.meta.items() if key not in k_embed.meta})
+    k_node.replace_all_uses_with(k_embed)
+    return q_embed

@@ -5,6 +5,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
+from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -67,18 +68,7 @@ def test_every_config_is_correct():
                 assert rel_err(o, r) < 1e-2, (config, name)
 
 
-def _compiled_code(fn, *args, **patches):
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(patches):
-        _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
-    return "\n".join(codes)
-
-
 def test_compiled_graph_launches_our_kernel_as_user_defined_triton_kernel():
-    from torch._inductor.utils import run_and_get_code
-
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch._dynamo.reset()
@@ -87,8 +77,7 @@ def test_compiled_graph_launches_our_kernel_as_user_defined_triton_kernel():
     def train_step():
         compiled(x, w).float().square().sum().backward()
 
-    _, codes = run_and_get_code(train_step)  # forward and (lazily compiled) backward graphs
-    code = "\n".join(codes)
+    _, code = run_and_get_joined_code(train_step)  # forward and (lazily compiled) backward graphs
     assert "rms_norm_fwd_kernel" in code and "rms_norm_bwd_kernel" in code
     # launched as user-defined Triton kernels, with no fallback call into the ops
     assert "fastops.rms_norm_fwd" not in code and "fastops.rms_norm_bwd" not in code
@@ -96,30 +85,11 @@ def test_compiled_graph_launches_our_kernel_as_user_defined_triton_kernel():
 
 
 def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    tuned = []
-    original = CachingAutotuner.benchmark_all_configs
-
-    def counting(self, *args, **kwargs):
-        tuned.append(self.fn.__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    fn = torch.compile(lambda x, w: inductor_ext.rms_norm(x, w), fullgraph=True)
-    torch._dynamo.reset()
-    from torch._inductor.utils import run_and_get_code
-
-    with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True}):
-        y, codes = run_and_get_code(fn, x, w)
-        code = "\n".join(codes)
-        assert "rms_norm_fwd_kernel" in code
-        assert any("rms_norm_fwd_kernel" in name for name in tuned), tuned  # tuned while compiling
-        calls_after_compile = len(tuned)
-        y2 = fn(x, w)
-    assert len(tuned) == calls_after_compile  # running the compiled C++ wrapper tunes nothing
+    y, y2 = compile_with_cpp_wrapper_counting_tuning(
+        monkeypatch, lambda x, w: inductor_ext.rms_norm(x, w), (x, w), "rms_norm_fwd_kernel"
+    )
     # eager may tune to another config (another summation order): bf16 tolerance there, bitwise vs itself
     torch.testing.assert_close(y, rms_norm(x, w), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y2, y, atol=0, rtol=0)

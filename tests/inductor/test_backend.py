@@ -5,6 +5,8 @@ The HF spellings are reproduced verbatim (transformers is not a test dependency)
 tests/gpu/test_backend_gpu.py runs the real transformers classes.
 """
 
+import operator
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -68,7 +70,11 @@ class NotRMSNorm(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo(tmp_path, monkeypatch):
+    """Fresh Dynamo state and tuning database; no FX-graph / AOTAutograd cache hits, which
+    skip tracing (and so the op bodies' route counters these tests read)."""
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     counters.clear()
 
@@ -265,3 +271,137 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch):
     assert [d.op for d in decisions] == ["fastops::rms_norm_fwd", "fastops::rms_norm_bwd"]
     assert all(d.kernel_ms > 0 and d.inductor_ms > 0 and d.route in ("kernel", "inductor") for d in decisions)
     assert decisions[1].signature.startswith("(float32[6,48], float32[6,48], float32[48], float32[6]")
+
+
+@pytest.mark.parametrize("make,expect_weight", [(LlamaRMSNorm, True), (GemmaRMSNorm, True), (FunctionalRMSNorm, True),
+                                                (lambda n: torch.nn.RMSNorm(n, elementwise_affine=False), False)])  # fmt: skip
+def test_rewrite_folds_the_weight_into_the_op(make, expect_weight):
+    """The weight multiply belongs to the match: a rewrite of the cast alone would leave an
+    extra elementwise pass over y (twice the forward's memory traffic)."""
+    from inductor_ext.inductor.patterns import apply_rewrites
+    from inductor_ext.ops.rms_norm import rms_norm_family
+
+    calls = []
+
+    def backend(gm, example_inputs):
+        apply_rewrites(gm)
+        calls.extend(n for n in gm.graph.nodes if n.target is rms_norm_family.fwd)
+        assert not any(n.target in (torch.rsqrt, operator.mul, torch.mul) for n in gm.graph.nodes)
+        return gm.forward
+
+    module = make(32)
+    torch.compile(module, backend=backend, fullgraph=True)(torch.randn(4, 32))
+    assert len(calls) == 1
+    weight = calls[0].args[1]
+    assert (weight is not None) == expect_weight
+
+
+class LlamaMLP(torch.nn.Module):
+    """transformers' LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = {"silu": torch.nn.SiLU(), "gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU("tanh")}[act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_glu_mlp_is_rewritten(act):
+    module = LlamaMLP(32, 80, act)
+    (y, dx, dws), (y_e, dx_e, dws_e) = _run(module, torch.randn(2, 7, 32))
+    assert counters["inductor_ext"]["rewrite_glu"] == 1
+    assert counters["inductor_ext"]["fastops::glu_bwd->inductor"] == 1
+    tol = OUTPUT[torch.float32]
+    assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
+    for dw, dw_e in zip(dws, dws_e):
+        assert rel_err(dw, dw_e) < 10 * tol
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The tail of HF ForCausalLMLoss: upcast, flatten, F.cross_entropy."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, labels):
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        return torch.nn.functional.cross_entropy(
+            logits.view(-1, vocab), labels.view(-1), ignore_index=-100, reduction=self.reduction
+        )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_is_rewritten_with_ignored_labels(reduction, dtype):
+    module = CausalLMLoss(reduction)
+    logits = torch.randn(2, 9, 50, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = -100
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True)
+    loss = compiled(logits, labels)
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    loss_ref = module(logits.double(), labels)
+    (grad_ref,) = torch.autograd.grad(loss_ref.sum(), logits)
+    assert counters["inductor_ext"]["rewrite_cross_entropy"] == 1
+    assert counters["inductor_ext"]["fastops::cross_entropy_bwd->inductor"] == 1
+    assert loss.dtype == torch.float32 and loss.shape == loss_ref.shape
+    assert rel_err(loss, loss_ref) < 1e-5
+    assert rel_err(grad, grad_ref) < OUTPUT[dtype]
+    assert grad[0, :3].abs().max() == 0  # ignored rows get no gradient
+
+
+def _rotate_half(x):
+    """transformers' rotate_half, verbatim."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb, verbatim."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_rope_is_rewritten_as_one_call_for_q_and_k(unsqueeze_dim):
+    b, s, hq, hk, d = 2, 7, 4, 2, 16
+    layout = (lambda h: (b, h, s, d)) if unsqueeze_dim == 1 else (lambda h: (b, s, h, d))
+    q = torch.randn(layout(hq), requires_grad=True)
+    k = torch.randn(layout(hk), requires_grad=True)
+    angles = torch.randn(b, s, d // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+
+    def attn_inputs(q, k):
+        q_embed, k_embed = _hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return q_embed * 2, k_embed + 1  # consumers of both outputs
+
+    compiled = torch.compile(attn_inputs, backend="fastops_inductor", fullgraph=True)
+    outs = compiled(q, k)
+    grads = torch.autograd.grad(sum(o.square().sum() for o in outs), (q, k))
+    outs_ref = attn_inputs(q.double(), k.double())
+    grads_ref = torch.autograd.grad(sum(o.square().sum() for o in outs_ref), (q, k))
+    assert counters["inductor_ext"]["rewrite_rope_hf"] == 1
+    assert counters["inductor_ext"]["fastops::rope_bwd->inductor"] == 1
+    for got, ref in zip((*outs, *grads), (*outs_ref, *grads_ref)):
+        assert rel_err(got, ref) < OUTPUT[torch.float32]
+
+
+def test_lone_rotation_is_left_alone():
+    q = torch.randn(1, 2, 5, 8)
+    angles = torch.randn(1, 5, 4).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    compiled = torch.compile(lambda q: q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1),
+                             backend="fastops_inductor", fullgraph=True)  # fmt: skip
+    assert rel_err(compiled(q), q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)) < 1e-6
+    assert counters["inductor_ext"]["rewrite_rope_hf"] == 0

@@ -1,0 +1,83 @@
+"""AOTInductor export of models that use fastops ops, and loading the result.
+
+``export`` runs ``torch.export`` (fastops ops stay real ops in the exported program),
+decides each fastops call's route as the ``fastops_inductor`` backend does (our
+Triton kernels, compiled into the package as cubins, or Inductor's code from the op's
+math; the tuning database is read when it has the shapes), and compiles the program
+into a ``.pt2`` package with ``aoti_compile_and_package``. Packages run from Python
+(:func:`load`) or from C++ with no Python (:mod:`inductor_ext.cpp_runner`).
+"""
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.inductor.choice import RoutePlanner
+from inductor_ext.inductor.options import parse_options
+from inductor_ext.ops._library import route_ops
+
+
+class ExportError(ValueError):
+    """The model cannot be exported as one graph (the message says where and why)."""
+
+
+_EXPORT_FAILURES = (
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.UserError,
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
+
+
+def export(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    path: str | Path,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    options: Mapping[str, Any] | None = None,
+) -> Path:
+    """Export ``model(*args, **kwargs)`` to the AOTInductor package ``path`` (``.pt2``) and return its path.
+
+    ``dynamic_shapes`` is ``torch.export``'s. ``options`` takes the backend's
+    ``fastops.*`` options (docs/backend.md) and Inductor config patches. What is frozen
+    at export: every route decision and every kernel config, chosen at the example
+    shapes; Inductor's multi-kernel is off unless ``fastops.multi_kernel`` is passed.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"inductor_ext.export: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"inductor_ext.export: args must be a tuple of example inputs, got {type(args).__name__}")
+    path = Path(path)
+    if path.suffix != ".pt2":
+        raise ValueError(f"inductor_ext.export: path must end in .pt2 (an AOTInductor package), got {path.name!r}")
+    try:
+        program = torch.export.export(model, args, kwargs=dict(kwargs or {}), dynamic_shapes=dynamic_shapes)
+    except _EXPORT_FAILURES as error:
+        raise ExportError(
+            f"inductor_ext.export: {type(model).__name__} cannot be exported as one graph "
+            f"({type(error).__name__}); torch.export says:\n{error}"
+        ) from error
+    ours, inductor_options = parse_options(options)
+    patches = {**inductor_options, **ours.inductor_patches()}
+    if "fastops.multi_kernel" not in (options or {}) and "INDUCTOR_EXT_MULTI_KERNEL" not in os.environ:
+        patches.pop("triton.multi_kernel", None)
+    patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++
+    planner = RoutePlanner(ours, TuningDatabase())
+    planner.plan_graph(program.graph_module)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with route_ops(planner.traces_math):
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=patches)
+    return Path(package)
+
+
+def load(path: str | Path) -> Any:
+    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
+    return torch._inductor.aoti_load_package(str(path))

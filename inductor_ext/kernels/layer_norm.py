@@ -1,0 +1,259 @@
+"""LayerNorm Triton kernels (device code only; launch configs from :mod:`inductor_ext.kernels.norm_config`).
+
+Forward, for each row ``x`` of an ``(M, N)`` input, all in fp32::
+
+    mean = sum(x) / N                          (written to MEAN)
+    var  = sum((x - mean)**2) / N              (biased, as torch.nn.functional.layer_norm)
+    rstd = 1 / sqrt(var + eps)                 (written to RSTD)
+    xhat = (x - mean) * rstd
+    y    = xhat * w + b                        (w, b optional; y rounded once to Y's dtype)
+
+Backward, with ``g = dy * w`` (``g = dy`` without weight)::
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum_rows(dy * xhat)
+    db = sum_rows(dy)
+
+``dw`` and ``db`` are reduced deterministically: each program accumulates the
+rows it owns in fp32 and writes one partial row to ``DW_PARTIAL[pid, :]`` and
+``DB_PARTIAL[pid, :]``; the caller sums the ``(num_programs, N)`` partials. No atomics.
+
+Two strategies per kernel, chosen by autotuning among ``norm_config.search_space``:
+
+* persistent: the whole row in registers, ``BLOCK_M`` rows per step; the
+  statistics are the exact two-pass ones (mean, then centred squares), x is read once.
+* looped: the row is walked in ``BLOCK_N`` chunks twice, one row per step. The
+  forward's first walk keeps a running mean and sum of squared deviations per
+  lane (Welford: lane ``j`` sees ``x[j], x[j + BLOCK_N], ...``), merged across
+  lanes with Chan's formula ``M2 = sum(M2_j) + sum(n_j * (mean_j - mean)**2)``;
+  unlike ``E[x**2] - mean**2`` this does not cancel when ``|mean| >> std``.
+  The second walk writes y. The backward's first walk sums ``g`` and
+  ``g * xhat``, the second writes dx and adds into the program's partials.
+
+The forward runs one program per block of rows (per row, looped). The backward
+runs a fixed number of programs (``norm_config.programs_per_sm`` per SM) that
+stride over the rows, so each program's partial rows are written once, not once
+per row; its persistent variant may prefetch the next row block (``PREFETCH``).
+The looped kernels hint that the first walk's loads stay in L2 for the second.
+"""
+
+import triton
+import triton.language as tl
+
+from inductor_ext.kernels.norm_config import autotune_kwargs
+
+
+@triton.jit
+def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = xhat * w + b in fp32, each term only when present."""
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * w
+    if HAS_BIAS:
+        y = y + b
+    return y
+
+
+@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT", "HAS_BIAS"]))
+@triton.jit
+def layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    stride_x, stride_y, M, N, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """y = (x - mean) * rstd * w + b; mean and rstd = rsqrt(var + eps) per row, in fp32.
+
+    One program per block of BLOCK_M rows (looped: BLOCK_M = 1). PREFETCH is a
+    backward knob (configs are shared); the forward ignores it.
+    """
+    eps = tl.cast(eps, tl.float32)  # Inductor may pass Python floats as fp64
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        w = 1.0
+        b = 0.0
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows[:, None].to(tl.int64)
+        # statistics: mean, then the centred sum of squares (padding lanes excluded)
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        # normalise, scale and shift, write back
+        y = _affine(xc * rstd[:, None], w, b, HAS_WEIGHT, HAS_BIAS)
+        tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+    else:
+        x_row = X + tl.cast(pid, tl.int64) * stride_x
+        y_row = Y + tl.cast(pid, tl.int64) * stride_y
+        lanes = tl.arange(0, BLOCK_N)
+        # walk 1: per-lane Welford (running mean and sum of squared deviations); x stays in L2 for walk 2
+        lane_mean = tl.zeros([BLOCK_N], dtype=tl.float32)
+        lane_m2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + lanes
+            col_mask = cols < N
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            # values each active lane has seen so far, this one included
+            seen = tl.cast(start // BLOCK_N + 1, tl.float32)
+            delta = tl.where(col_mask, x - lane_mean, 0.0)
+            lane_mean += delta / seen
+            lane_m2 += delta * (x - lane_mean)
+        # merge the lanes (Chan et al.); lane j took part in every full chunk, and in
+        # the last one if j < N % BLOCK_N
+        full_chunks = N // BLOCK_N
+        lane_count = (full_chunks + (lanes < N - full_chunks * BLOCK_N).to(tl.int32)).to(tl.float32)
+        mean = tl.sum(lane_count * lane_mean, axis=0) / N
+        spread = lane_mean - mean
+        m2 = tl.sum(lane_m2, axis=0) + tl.sum(lane_count * spread * spread, axis=0)
+        rstd = tl.math.rsqrt(m2 / N + eps)
+        # walk 2: normalise, scale and shift, write back
+        for start in range(0, N, BLOCK_N):
+            cols = start + lanes
+            col_mask = cols < N
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = 1.0
+            b = 0.0
+            if HAS_WEIGHT:
+                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if HAS_BIAS:
+                b = tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            y = _affine((x - mean) * rstd, w, b, HAS_WEIGHT, HAS_BIAS)
+            tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=col_mask)
+        tl.store(MEAN + pid, mean)
+        tl.store(RSTD + pid, rstd)
+
+
+@triton.jit
+def _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
+    """x, dy (storage dtype), mean and rstd of a block of rows; rows past M read as zeros."""
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT", "HAS_BIAS"]))
+@triton.jit
+def layer_norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    stride_dy, stride_x, stride_dx, M, N,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
+    DW_PARTIAL[pid] = sum over own rows of dy * xhat, DB_PARTIAL[pid] = sum over own rows of dy.
+
+    A fixed grid of programs strides over row blocks, so each keeps one fp32 partial
+    row of dw and of db for all its rows. Padding lanes and rows load dy = 0, so they
+    add nothing to the sums.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dw_row = DW_PARTIAL + tl.cast(pid, tl.int64) * N
+    db_row = DB_PARTIAL + tl.cast(pid, tl.int64) * N
+    if PERSISTENT:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        w = 1.0
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PREFETCH:
+            x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
+                X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M
+            )
+        for block in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+            if PREFETCH:
+                # software pipelining by hand: the next block's loads are issued
+                # before this block's reductions, so a program always has a row in flight
+                x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
+                x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
+                    X, DY, MEAN, RSTD, rows + num_programs * BLOCK_M, cols, col_mask, stride_x, stride_dy, M
+                )
+            else:
+                x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+            row_mask = rows < M
+            mask = row_mask[:, None] & col_mask[None, :]
+            rows64 = rows[:, None].to(tl.int64)
+            rows += num_programs * BLOCK_M
+            xhat = (x - mean[:, None]) * rstd[:, None]
+            g = dy * w if HAS_WEIGHT else dy
+            c1 = tl.sum(g * xhat, axis=1) / N
+            c2 = tl.sum(g, axis=1) / N
+            dx = rstd[:, None] * (g - c2[:, None] - xhat * c1[:, None])
+            tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_WEIGHT:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+        if HAS_WEIGHT:
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(db_row + cols, db_acc, mask=col_mask)
+    else:
+        # One row per step and 1-D chunks throughout, so every thread re-reads only
+        # the partial elements it wrote itself.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            if HAS_WEIGHT:
+                tl.store(dw_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
+            if HAS_BIAS:
+                tl.store(db_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
+        for row in tl.range(pid, M, num_programs):
+            row64 = tl.cast(row, tl.int64)
+            mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            # walk 1: c1 = mean(g * xhat), c2 = mean(g)
+            acc_gxhat = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+                x = x.to(tl.float32)
+                dy = dy.to(tl.float32)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                acc_gxhat += g * ((x - mean) * rstd)
+                acc_g += g
+            c1 = tl.sum(acc_gxhat, axis=0) / N
+            c2 = tl.sum(acc_g, axis=0) / N
+            # walk 2: dx, and dy * xhat, dy into this program's partials (x, dy come back from L2)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
+                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
+                x = x.to(tl.float32)
+                dy = dy.to(tl.float32)
+                xhat = (x - mean) * rstd
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                    dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
+                    tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)
+                if HAS_BIAS:
+                    db = tl.load(db_row + cols, mask=col_mask, other=0.0)
+                    tl.store(db_row + cols, db + dy, mask=col_mask)
+                dx = rstd * (g - c2 - xhat * c1)
+                tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)

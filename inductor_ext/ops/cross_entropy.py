@@ -1,0 +1,517 @@
+"""Cross-entropy: ``torch.ops.fastops.cross_entropy_*`` and :func:`cross_entropy`.
+
+Schemas::
+
+    fastops::cross_entropy_fwd(Tensor logits, Tensor labels, int ignore_index, float label_smoothing,
+                               float lse_square_scale, float softcap, str reduction, bool compute_grad)
+        -> (Tensor loss, Tensor dlogits)
+    fastops::cross_entropy_bwd(Tensor dlogits, Tensor grad_output) -> Tensor
+    fastops::cross_entropy_fwd_inplace(Tensor(a!) logits, Tensor labels, int ignore_index,
+                                       float label_smoothing, float lse_square_scale, float softcap,
+                                       str reduction) -> Tensor loss
+    fastops::cross_entropy_bwd_inplace(Tensor(a!) dlogits, Tensor grad_output) -> ()
+
+``logits`` is 2-D ``(N, V)`` with unit stride along V, ``labels`` is ``(N,)`` int64
+or int32. ``loss`` is fp32: a 0-dim tensor for ``reduction="mean"``/``"sum"``, ``(N,)``
+for ``"none"``. ``softcap = 0`` means no soft-capping. The forward computes the
+gradient of the (reduced) loss while it reads the logits (see
+:mod:`inductor_ext.kernels.cross_entropy`): ``dlogits`` has the logits' dtype, or
+shape ``(0,)`` when ``compute_grad`` is false. The backward only multiplies it by
+``grad_output`` (a scalar, or one value per row for ``"none"``) in fp32.
+
+The ``_inplace`` pair is the ``inplace_backward=True`` path: the forward writes the
+gradient over the logits, the backward scales that buffer in place, touching no
+memory when ``grad_output`` is exactly 1 (checked on the device). PyTorch cannot
+register autograd on ops that mutate inputs, so this pair is wired by a Python
+``autograd.Function`` (:class:`_CrossEntropyInplace`), which Dynamo traces.
+
+The mean divides by the number of labels that are not ``ignore_index``, counted on
+the device. When every label is ignored that count is 0 and, as in
+``torch.nn.functional.cross_entropy``, the mean is NaN; the gradient is all zeros.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import triton_op
+
+from inductor_ext.kernels.cross_entropy import (
+    SCALE_BLOCK,
+    cross_entropy_fwd_inplace_kernel,
+    cross_entropy_fwd_kernel,
+    scale_rows_kernel,
+)
+from inductor_ext.ops._library import (
+    NAMESPACE,
+    DirectLaunch,
+    Launch,
+    TraceableLaunch,
+    define_op_family,
+    kernels_run_on,
+    use_eager_bypass,
+)
+
+REDUCTIONS = ("mean", "sum", "none")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LABEL_DTYPES = (torch.int64, torch.int32)
+
+
+# --- shared pieces (also used by fused linear cross-entropy) -------------------------------------
+
+
+def count_non_ignored(labels: Tensor, ignore_index: int) -> Tensor:
+    """Number of labels other than ``ignore_index``: a 0-dim int64 device tensor (no host sync)."""
+    return (labels != ignore_index).sum()
+
+
+def mean_grad_scale(count: Tensor) -> Tensor:
+    """``1 / max(count, 1)`` as a 0-dim fp32 tensor: the gradient factor of ``reduction="mean"``."""
+    return count.clamp_min(1).to(torch.float32).reciprocal()
+
+
+def count_and_grad_scale(labels: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor | None]:
+    """The non-ignored label count, and the gradient factor it gives ``reduction="mean"`` (None otherwise)."""
+    count = count_non_ignored(labels, ignore_index)
+    return count, mean_grad_scale(count) if reduction == "mean" else None
+
+
+def reduce_loss(row_loss: Tensor, count: Tensor, reduction: str) -> Tensor:
+    """Sum, mean over non-ignored rows (``0 / 0 = NaN`` when all are ignored, like PyTorch), or rows."""
+    if reduction == "none":
+        return row_loss
+    total = row_loss.sum()
+    return total if reduction == "sum" else total / count
+
+
+def row_loss_and_grad_math(
+    logits: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    grad_scale: Tensor | None,
+    compute_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Aten-only loss per row (fp32) and gradient (logits' dtype, times ``grad_scale``): the kernels' math."""
+    v = logits.shape[-1]
+    x = logits.float()
+    if softcap > 0:
+        t = torch.tanh(x / softcap)
+        z = softcap * t
+    else:
+        z = x
+    lse = torch.logsumexp(z, dim=-1)
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < v)
+    safe_labels = torch.where(in_range, labels, 0).long()
+    z_y = z.gather(1, safe_labels.unsqueeze(1)).squeeze(1)
+    loss = lse - (1.0 - label_smoothing) * z_y + lse_square_scale * lse * lse
+    if label_smoothing > 0:
+        loss = loss - label_smoothing / v * z.sum(-1)
+    loss = torch.where(ignored, 0.0, torch.where(in_range, loss, float("nan")))
+    if not compute_grad:
+        return loss, None
+    g = torch.exp(z - lse.unsqueeze(1)) * (1.0 + 2.0 * lse_square_scale * lse).unsqueeze(1) - label_smoothing / v
+    is_target = (torch.arange(v, device=logits.device) == safe_labels.unsqueeze(1)) & in_range.unsqueeze(1)
+    g = g - torch.where(is_target, 1.0 - label_smoothing, 0.0)
+    if softcap > 0:
+        g = g * (1.0 - t * t)
+    if grad_scale is not None:
+        g = g * (grad_scale.float().unsqueeze(-1) if grad_scale.dim() else grad_scale.float())
+    g = torch.where(ignored.unsqueeze(1), 0.0, g)
+    return loss, g.to(logits.dtype)
+
+
+def launch_cross_entropy(
+    launch: Launch,
+    logits: Tensor,
+    dlogits: Tensor | None,
+    row_loss: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    grad_scale: Tensor | None,
+) -> None:
+    """Row losses into ``row_loss`` and the gradient into ``dlogits`` (``dlogits is logits``: in place;
+    None: no gradient). ``grad_scale``: None, 0-dim, or one value per row."""
+    n, v = logits.shape
+    scale_stride = grad_scale.stride(0) if grad_scale is not None and grad_scale.dim() else 0
+    common = {
+        "HAS_GRAD_SCALE": grad_scale is not None,
+        "HAS_SMOOTHING": label_smoothing > 0,
+        "HAS_SOFTCAP": softcap > 0,
+    }
+    scalars = (v, ignore_index, label_smoothing, lse_square_scale, softcap)
+    if dlogits is logits:
+        launch(
+            cross_entropy_fwd_inplace_kernel, lambda meta: (n,),
+            logits, row_loss, labels, grad_scale, logits.stride(0), scale_stride, *scalars, **common,
+        )  # fmt: skip
+    else:
+        launch(
+            cross_entropy_fwd_kernel, lambda meta: (n,),
+            logits, dlogits, row_loss, labels, grad_scale,
+            logits.stride(0), 0 if dlogits is None else dlogits.stride(0), scale_stride, *scalars,
+            COMPUTE_GRAD=dlogits is not None, **common,
+        )  # fmt: skip
+
+
+def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, skip_unit_scale: bool = False) -> None:
+    """``out = x * scale`` in fp32: ``scale`` 0-dim, or one value per row of the 2-D ``x`` (unit column stride).
+
+    A scalar scale over contiguous tensors treats them as one long row (no per-row waste
+    on narrow rows).
+    """
+    if x.numel() == 0:
+        return
+    scale_stride = scale.stride(0) if scale.dim() else 0
+    if scale.dim() == 0 and x.is_contiguous() and out.is_contiguous():
+        x, out = x.view(1, -1), out.view(1, -1)
+    rows, cols = x.shape
+    launch(
+        scale_rows_kernel, lambda meta: (rows * triton.cdiv(cols, SCALE_BLOCK),),
+        x, out, scale, x.stride(0), out.stride(0), scale_stride, cols,
+        SKIP_UNIT_SCALE=skip_unit_scale, BLOCK_V=SCALE_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+def _unit_stride_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# --- functional ops ------------------------------------------------------------------------------
+
+
+def cross_entropy_fwd_math(
+    logits: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
+    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
+    row_loss, grad = row_loss_and_grad_math(
+        logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale, compute_grad
+    )
+    dlogits = logits.new_empty((0,)) if grad is None else grad
+    return reduce_loss(row_loss, count, reduction), dlogits
+
+
+def cross_entropy_fwd_kernels(
+    launch: Launch,
+    logits: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    logits, labels = _unit_stride_rows(logits), labels.contiguous()
+    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
+    row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
+    dlogits = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    launch_cross_entropy(
+        launch, logits, dlogits if compute_grad else None, row_loss, labels,
+        ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale,
+    )  # fmt: skip
+    return reduce_loss(row_loss, count, reduction), dlogits
+
+
+def cross_entropy_bwd_math(dlogits: Tensor, grad_output: Tensor) -> Tensor:
+    """Aten-only backward: ``dlogits * grad_output`` (per row when ``grad_output`` is 1-D) in fp32."""
+    scale = grad_output.float().unsqueeze(-1) if grad_output.dim() else grad_output.float()
+    return (dlogits.float() * scale).to(dlogits.dtype)
+
+
+def cross_entropy_bwd_kernels(launch: Launch, dlogits: Tensor, grad_output: Tensor) -> Tensor:
+    out = torch.empty(dlogits.shape, dtype=dlogits.dtype, device=dlogits.device)
+    launch_scale_rows(launch, _unit_stride_rows(dlogits), out, grad_output)
+    return out
+
+
+def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, _ddlogits: Tensor | None) -> tuple[Tensor | None, ...]:
+    (dlogits,) = ctx.saved_tensors
+    grad = None if dloss is None else bwd(dlogits, dloss)
+    return grad, None, None, None, None, None, None, None
+
+
+cross_entropy_family = define_op_family(
+    "cross_entropy",
+    fwd_math=cross_entropy_fwd_math,
+    fwd_kernels=cross_entropy_fwd_kernels,
+    bwd_math=cross_entropy_bwd_math,
+    bwd_kernels=cross_entropy_bwd_kernels,
+    setup_context=_setup_context,
+    backward=_backward,
+)
+
+
+# --- in-place ops (inplace_backward=True) ---------------------------------------------------------
+
+
+def cross_entropy_fwd_inplace_math(
+    logits: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+) -> Tensor:
+    """Aten-only in-place forward: the loss, and the gradient copied over ``logits``."""
+    loss, grad = cross_entropy_fwd_math(
+        logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, True
+    )
+    logits.copy_(grad)
+    return loss
+
+
+def cross_entropy_fwd_inplace_kernels(
+    launch: Launch,
+    logits: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+) -> Tensor:
+    if logits.stride(-1) != 1:
+        raise ValueError("cross_entropy_fwd_inplace: logits must have unit stride along the classes")
+    labels = labels.contiguous()
+    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
+    row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
+    launch_cross_entropy(
+        launch, logits, logits, row_loss, labels,
+        ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale,
+    )  # fmt: skip
+    return reduce_loss(row_loss, count, reduction)
+
+
+def cross_entropy_bwd_inplace_math(dlogits: Tensor, grad_output: Tensor) -> None:
+    """Aten-only in-place backward: ``dlogits *= grad_output``."""
+    dlogits.copy_(cross_entropy_bwd_math(dlogits, grad_output))
+
+
+def cross_entropy_bwd_inplace_kernels(launch: Launch, dlogits: Tensor, grad_output: Tensor) -> None:
+    launch_scale_rows(launch, dlogits, dlogits, grad_output, skip_unit_scale=True)
+
+
+_TRACEABLE = TraceableLaunch()
+_DIRECT = DirectLaunch()
+
+
+def _define_mutating_op(
+    name: str, math: Callable[..., Any], kernels: Callable[..., Any], mutated: str
+) -> Callable[..., Any]:
+    """``fastops::{name}`` as a triton_op that mutates ``mutated``; returns the eager direct runner.
+
+    ``define_op_family`` registers functional ops only (``mutates_args=()``), and PyTorch
+    refuses autograd formulas on mutating ops, so these are wired by hand: same CPU
+    branch as the recipe, and a direct-launch twin for eager that bumps the mutated
+    tensor's version counter as the dispatcher would (autograd then rejects any saved
+    copy of it that is used later).
+    """
+
+    @functools.wraps(math)
+    def body(*args: Any) -> Any:
+        x = args[0]
+        if x.device.type != "cuda" or x.numel() == 0:
+            return math(*args)
+        return kernels(_TRACEABLE, *args)
+
+    triton_op(f"{NAMESPACE}::{name}", body, mutates_args=(mutated,))
+
+    def run_direct(*args: Any) -> Any:
+        x = args[0]
+        out = math(*args) if x.numel() == 0 or not kernels_run_on(x.device) else kernels(_DIRECT, *args)
+        torch.autograd.graph.increment_version(x)
+        return out
+
+    return run_direct
+
+
+_fwd_inplace_direct = _define_mutating_op(
+    "cross_entropy_fwd_inplace", cross_entropy_fwd_inplace_math, cross_entropy_fwd_inplace_kernels, "logits"
+)
+_bwd_inplace_direct = _define_mutating_op(
+    "cross_entropy_bwd_inplace", cross_entropy_bwd_inplace_math, cross_entropy_bwd_inplace_kernels, "dlogits"
+)
+
+
+class _CrossEntropyInplace(torch.autograd.Function):
+    """Forward overwrites the logits with the gradient; backward scales that buffer in place and returns it.
+
+    A second backward through the same graph (``retain_graph=True``) raises autograd's
+    "modified by an inplace operation" error instead of returning a twice-scaled gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, *options: Any) -> Tensor:
+        if use_eager_bypass([logits, labels]):
+            loss = _fwd_inplace_direct(logits, labels, *options)
+        else:
+            loss = torch.ops.fastops.cross_entropy_fwd_inplace(logits, labels, *options)
+        ctx.save_for_backward(logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, dloss: Tensor) -> tuple[Tensor | None, ...]:
+        (dlogits,) = ctx.saved_tensors
+        if use_eager_bypass([dlogits, dloss]):
+            _bwd_inplace_direct(dlogits, dloss)
+        else:
+            torch.ops.fastops.cross_entropy_bwd_inplace(dlogits, dloss)
+        return dlogits, None, None, None, None, None, None
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+def check_loss_options(
+    op: str, ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None
+) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not 0.0 <= lse_square_scale < float("inf"):
+        raise ValueError(f"{op}: lse_square_scale must be finite and >= 0, got {lse_square_scale}")
+    if softcap is not None and not 0.0 < softcap < float("inf"):
+        raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap}")
+
+
+def check_labels(op: str, labels: Any, expected_shape: torch.Size, device: torch.device, what: str) -> None:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"{op}: labels must be a Tensor, got {type(labels).__name__}")
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"{op}: labels must be int64 or int32, got {labels.dtype}")
+    if labels.shape != expected_shape:
+        raise ValueError(f"{op}: labels must have shape {tuple(expected_shape)} ({what}), got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(
+            f"{op}: labels are on {labels.device} but the inputs are on {device}; both must be on one device"
+        )
+
+
+def check_labels_in_range(op: str, labels: Tensor, num_classes: int, ignore_index: int) -> None:
+    """CPU eager only (a host check on a CPU tensor): labels outside ``[0, V)`` other than ignore_index raise."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: labels must be in [0, {num_classes}) or equal ignore_index ({ignore_index}); "
+            f"got {int(labels[position])} at position {position}"
+        )
+
+
+def _check_inputs(logits: Any, labels: Any, inplace_backward: bool) -> None:
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"cross_entropy: logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() == 0:
+        raise ValueError("cross_entropy: logits must have at least 1 dimension (the classes), got a scalar")
+    if logits.shape[-1] == 0:
+        raise ValueError("cross_entropy: logits must have at least one class (last dimension), got 0")
+    check_labels("cross_entropy", labels, logits.shape[:-1], logits.device, "logits' shape without the classes")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"cross_entropy: inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+
+
+def cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    inplace_backward: bool = False,
+) -> Tensor:
+    """Cross-entropy over the last dimension of ``logits``, ``F.cross_entropy``'s semantics plus extras.
+
+    Args:
+        logits: ``(..., V)`` float32/bfloat16/float16 (classes last, as HF models
+            produce them; copied if the last dim is not unit-stride).
+        labels: ``(...)`` int64/int32 class indices, ``ignore_index`` to skip a row.
+            On CPU (eager) a label outside ``[0, V)`` raises ``ValueError``; on CUDA
+            it is not checked (that would sync): the row's loss is NaN.
+        reduction: ``"mean"`` (over non-ignored rows; NaN if all are ignored, like
+            PyTorch, with zero gradients), ``"sum"`` or ``"none"`` (shape of ``labels``).
+        label_smoothing: as ``F.cross_entropy(label_smoothing=...)``.
+        lse_square_scale: z-loss, adds ``lse_square_scale * logsumexp(z)**2`` per non-ignored row.
+        softcap: ``z = softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
+        inplace_backward: let the forward overwrite ``logits`` with the gradient (saves one
+            logits-sized buffer; ``logits`` must not be used afterwards), and the backward
+            scale it in place (no memory traffic when ``grad_output`` is 1).
+
+    Returns:
+        The loss in float32 (whatever the logits' dtype), 0-dim unless ``reduction="none"``.
+    """
+    _check_inputs(logits, labels, inplace_backward)
+    check_loss_options("cross_entropy", ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    num_classes = logits.shape[-1]
+    logits2d = logits if logits.dim() == 2 else logits.reshape(-1, num_classes)
+    labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
+    logits2d = _unit_stride_rows(logits2d)
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
+    options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction)
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+        loss = _CrossEntropyInplace.apply(logits2d, labels1d, *options)
+    else:
+        compute_grad = torch.is_grad_enabled() and logits.requires_grad
+        loss, _dlogits = cross_entropy_family(logits2d, labels1d, *options, compute_grad)
+    return loss.view(labels.shape) if reduction == "none" else loss
+
+
+def cross_entropy_ref(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """Plain PyTorch, HF's spelling (upcast to fp32, ``F.cross_entropy``); float64 inputs give the exact reference."""
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    z = logits.reshape(-1, logits.shape[-1]).to(compute)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    y = labels.reshape(-1)
+    loss = torch.nn.functional.cross_entropy(
+        z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    valid = y != ignore_index
+    if lse_square_scale:
+        loss = loss + lse_square_scale * torch.where(valid, torch.logsumexp(z, dim=-1) ** 2, 0.0)
+    if reduction == "none":
+        return loss.view(labels.shape)
+    return loss.sum() if reduction == "sum" else loss.sum() / valid.sum()
+
+
+__all__ = ["cross_entropy", "cross_entropy_family", "cross_entropy_ref"]

@@ -1,0 +1,460 @@
+"""Fused linear cross-entropy: ``torch.ops.fastops.fused_linear_cross_entropy_*`` and
+:func:`fused_linear_cross_entropy`.
+
+Schemas::
+
+    fastops::fused_linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias,
+        int ignore_index, float label_smoothing, float lse_square_scale, float softcap, str reduction,
+        int chunk_size, bool grad_hidden, bool grad_weight, bool grad_bias)
+        -> (Tensor loss, Tensor dhidden, Tensor dweight, Tensor dbias)
+    fastops::fused_linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor labels,
+        Tensor? bias, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, float label_smoothing,
+        float lse_square_scale, float softcap, str reduction, int chunk_size, bool grad_hidden,
+        bool grad_weight, bool grad_bias) -> (Tensor dhidden, Tensor dweight, Tensor dbias)
+
+``loss = cross_entropy(hidden @ weight.T + bias, labels)`` without ever holding the
+``(N, V)`` logits: the rows are taken ``chunk_size`` at a time. For each chunk::
+
+    logits = hidden_c @ weight.T (+ bias)        cuBLAS, in the inputs' dtype  (C, V)
+    loss_c, logits <- dlogits                   the cross-entropy kernel, gradient written in place
+    dhidden_c = dlogits @ weight                 one reduction over V, rounded once
+    dweight  += dlogits.T @ hidden_c             accumulated in an fp32 (V, H) buffer
+    dbias    += dlogits.sum(0)                   fp32
+
+and ``dweight``/``dbias`` are rounded to the weight's dtype once, after the last
+chunk: no chunk's contribution is rounded to 16 bits on its own (with a single
+chunk, the one matmul is rounded once). The mean's token count stays on the device.
+
+For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
+for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
+``reduction="none"`` each row has its own ``grad_output``, so ``dweight`` is not a
+multiple of anything the forward could precompute: the forward computes the
+losses only, and the backward recomputes the logits chunk by chunk (one more
+matmul) with each row's gradient scaled by its ``grad_output``. Unused gradients
+(``grad_* = False``) are not computed and come back as ``(0,)`` tensors.
+
+Under ``torch.compile`` the chunk loop is traced (unrolled); with a dynamic token
+count the graph is specialised on the number of chunks only (one graph serves every
+count from ``(k - 1) * chunk_size + 1`` to ``k * chunk_size``).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inductor_ext.ops._library import DirectLaunch, Launch, define_op_family
+from inductor_ext.ops.cross_entropy import (
+    SUPPORTED_DTYPES,
+    check_labels,
+    check_labels_in_range,
+    check_loss_options,
+    count_and_grad_scale,
+    cross_entropy_ref,
+    launch_cross_entropy,
+    launch_scale_rows,
+    reduce_loss,
+    row_loss_and_grad_math,
+)
+
+CeOptions = tuple[int, float, float, float]
+"""(ignore_index, label_smoothing, lse_square_scale, softcap)."""
+
+ChunkLoss = Callable[[Tensor, Tensor, CeOptions, Tensor | None, bool], tuple[Tensor, Tensor | None]]
+"""(chunk logits, chunk labels, options, grad scale, compute_grad) -> (row losses fp32, dlogits or None).
+May overwrite the chunk logits (a buffer of its own) with the gradient."""
+
+MATMUL_ROW_ALIGN = 128
+"""Automatic chunk sizes are rounded down to a multiple of this (whole GEMM tiles)."""
+
+
+def _math_chunk_loss(
+    logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    return row_loss_and_grad_math(logits, labels, *options, grad_scale, compute_grad)
+
+
+def _kernel_chunk_loss(launch: Launch) -> ChunkLoss:
+    def chunk_loss(
+        logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
+        dlogits = logits if compute_grad else None
+        launch_cross_entropy(launch, logits, dlogits, row_loss, labels, *options, grad_scale)
+        return row_loss, dlogits
+
+    return chunk_loss
+
+
+_addmm_fp32_out_works: bool | None = None
+"""Whether ``addmm(fp32 acc, bf16, bf16, out_dtype=fp32, out=acc)`` is accepted: torch 2.8-2.9 required
+``acc`` in the inputs' dtype (relaxed by pytorch/pytorch#167931); known after the first eager call."""
+
+
+def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor, in_place: bool) -> Tensor:
+    """``acc + dlogits.T @ hidden`` in fp32, the chunk's product never rounded to 16 bits.
+
+    16-bit CUDA inputs: cuBLAS with an fp32 output (the first chunk writes ``acc``). In
+    eager the later chunks accumulate into ``acc`` in the GEMM epilogue (``beta=1``); when
+    traced, ``acc + mm(..., out_dtype=fp32)`` (Inductor plans the buffers; addmm's
+    ``out_dtype`` does not trace on every torch version). CPU or fp32: fp32 products.
+    """
+    global _addmm_fp32_out_works
+    a, b = dlogits.t(), hidden
+    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
+        a, b = a.float(), b.float()
+        if acc is None:
+            return a @ b
+        return acc.addmm_(a, b) if in_place else torch.addmm(acc, a, b)
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if in_place and _addmm_fp32_out_works is not False:
+        try:
+            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _addmm_fp32_out_works = True
+            return out
+        except RuntimeError as error:  # older torch: "self and mat2 must have the same dtype"
+            if "dtype" not in str(error):
+                raise
+            _addmm_fp32_out_works = False
+    product = torch.mm(a, b, out_dtype=torch.float32)
+    return acc.add_(product) if in_place else acc + product
+
+
+def _chunked_loss_and_grads(
+    chunk_loss: ChunkLoss,
+    in_place: bool,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    options: CeOptions,
+    chunk_size: int,
+    grad_scale: Tensor | None,
+    grads: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Row losses (fp32) and the requested gradients ((0,) tensors for the others), ``chunk_size`` rows at a time.
+
+    ``grad_scale`` multiplies each row's gradient: None, 0-dim, or ``(N,)``.
+    """
+    n = hidden.shape[0]
+    need_dx, need_dw, need_db = grads
+    need_dlogits = any(grads)
+    labels = labels.contiguous()
+    row_losses: list[Tensor] = []
+    dx_chunks: list[Tensor] = []
+    dw_acc: Tensor | None = None
+    db_acc: Tensor | None = None
+    # int() of a symbolic row count guards only the number of chunks (a range of counts), and
+    # the last chunk ends at n whatever n is within that range
+    num_chunks = int((n + chunk_size - 1) // chunk_size)
+    for k in range(num_chunks):
+        start = k * chunk_size
+        end = n if k == num_chunks - 1 else start + chunk_size
+        h_c = hidden[start:end]
+        logits = h_c @ weight.t() if bias is None else torch.addmm(bias, h_c, weight.t())
+        scale_c = grad_scale if grad_scale is None or grad_scale.dim() == 0 else grad_scale[start:end]
+        loss_c, dlogits = chunk_loss(logits, labels[start:end], options, scale_c, need_dlogits)
+        row_losses.append(loss_c)
+        if dlogits is None:
+            continue
+        if need_dx:
+            dx_chunks.append(dlogits @ weight)
+        if need_dw:
+            dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c, in_place)
+        if need_db:
+            db_c = dlogits.sum(0, dtype=torch.float32)
+            db_acc = db_c if db_acc is None else db_acc + db_c
+    if not row_losses:  # no rows
+        row_losses.append(hidden.new_empty((0,), dtype=torch.float32))
+        dx_chunks.append(hidden.new_empty(hidden.shape))
+    row_loss = row_losses[0] if len(row_losses) == 1 else torch.cat(row_losses)
+    # distinct tensors for the gradients not computed: op outputs must not alias each other
+    dx = hidden.new_empty((0,))
+    if need_dx:
+        dx = dx_chunks[0] if len(dx_chunks) == 1 else torch.cat(dx_chunks)
+    dw = weight.new_empty((0,))
+    if need_dw:
+        dw = weight.new_zeros(weight.shape) if dw_acc is None else dw_acc.to(weight.dtype)
+    db = hidden.new_empty((0,))
+    if need_db and bias is not None:
+        db = bias.new_zeros(bias.shape) if db_acc is None else db_acc.to(bias.dtype)
+    return row_loss, dx, dw, db
+
+
+def _split_options(rest: Sequence[Any]) -> tuple[CeOptions, str, int, tuple[bool, bool, bool]]:
+    """The op arguments after the tensors, ``(ignore_index, label_smoothing, lse_square_scale, softcap,
+    reduction, chunk_size, grad_hidden, grad_weight, grad_bias)``, as (options, reduction, chunk_size, grads)."""
+    ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_size, grad_h, grad_w, grad_b = rest
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+    return options, reduction, chunk_size, (grad_h, grad_w, grad_b)
+
+
+def _forward(chunk_loss: ChunkLoss, in_place: bool, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward on ``fused_linear_cross_entropy_fwd``'s arguments, each chunk's cross-entropy by ``chunk_loss``."""
+    hidden, weight, labels, bias, *rest = args
+    options, reduction, chunk_size, grads = _split_options(rest)
+    count, grad_scale = count_and_grad_scale(labels, options[0], reduction)
+    if reduction == "none":  # gradients come from the backward, which knows each row's grad_output
+        grads = (False, False, False)
+    row_loss, dx, dw, db = _chunked_loss_and_grads(
+        chunk_loss, in_place, hidden, weight, labels, bias, options, chunk_size, grad_scale, grads
+    )
+    return reduce_loss(row_loss, count, reduction), dx, dw, db
+
+
+def fused_linear_cross_entropy_fwd_math(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    chunk_size: int,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Aten-only forward (CPU branch and decomposition): the same chunk loop, cross-entropy in aten ops."""
+    args = (hidden, weight, labels, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+            chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
+    return _forward(_math_chunk_loss, False, args)
+
+
+def fused_linear_cross_entropy_fwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`fused_linear_cross_entropy_fwd_math`'s arguments after ``launch``; cross-entropy in the kernels."""
+    in_place = isinstance(launch, DirectLaunch)  # real tensors: accumulate dW in place
+    return _forward(_kernel_chunk_loss(launch), in_place, args)
+
+
+def _backward_impl(
+    scale: Callable[[Tensor, Tensor], Tensor], chunk_loss: ChunkLoss, in_place: bool, args: tuple[Any, ...]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward on ``fused_linear_cross_entropy_bwd``'s arguments: the forward's gradients times
+    ``grad_output`` by ``scale``, or (``"none"``) recomputed with each chunk's cross-entropy by ``chunk_loss``."""
+    grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, *rest = args
+    options, reduction, chunk_size, grads = _split_options(rest)
+    if reduction == "none":
+        _loss, dx, dw, db = _chunked_loss_and_grads(
+            chunk_loss, in_place, hidden, weight, labels, bias, options, chunk_size, grad_output, grads
+        )
+        return dx, dw, db
+    return scale(dhidden, grad_output), scale(dweight, grad_output), scale(dbias, grad_output)
+
+
+def _scale_math(t: Tensor, grad_output: Tensor) -> Tensor:
+    return (t.float() * grad_output.float()).to(t.dtype)
+
+
+def fused_linear_cross_entropy_bwd_math(
+    grad_output: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    dhidden: Tensor,
+    dweight: Tensor,
+    dbias: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    chunk_size: int,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Aten-only backward: scale the forward's gradients by ``grad_output``, or recompute them (``"none"``)."""
+    args = (grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, ignore_index, label_smoothing,
+            lse_square_scale, softcap, reduction, chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
+    return _backward_impl(_scale_math, _math_chunk_loss, False, args)
+
+
+def fused_linear_cross_entropy_bwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fused_linear_cross_entropy_bwd_math`'s arguments after ``launch``; scaling and recomputation in the
+    kernels."""
+
+    def scale(t: Tensor, g: Tensor) -> Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        launch_scale_rows(launch, t.reshape(1, -1), out.view(1, -1), g)
+        return out
+
+    return _backward_impl(scale, _kernel_chunk_loss(launch), isinstance(launch, DirectLaunch), args)
+
+
+def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    hidden, weight, labels, bias, *options = inputs
+    reduction = options[4]
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, labels, bias)
+    else:
+        ctx.save_for_backward(*output[1:])
+    ctx.options = tuple(options)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    no_grads: tuple[Tensor | None, ...] = (None,) * 13
+    if dloss is None:
+        return no_grads
+    options = ctx.options
+    reduction, grads = options[4], options[6:]
+    empty = dloss.new_empty((0,))
+    if reduction == "none":
+        hidden, weight, labels, bias = ctx.saved_tensors
+        dx, dw, db = bwd(dloss, hidden, weight, labels, bias, empty, empty, empty, *options)
+    else:
+        dx, dw, db = bwd(dloss, empty, empty, empty, None, *ctx.saved_tensors, *options)
+    picked = [g if needed else None for g, needed in zip((dx, dw, db), grads)]
+    return (picked[0], picked[1], None, picked[2], *no_grads[4:])
+
+
+fused_linear_cross_entropy_family = define_op_family(
+    "fused_linear_cross_entropy",
+    fwd_math=fused_linear_cross_entropy_fwd_math,
+    fwd_kernels=fused_linear_cross_entropy_fwd_kernels,
+    bwd_math=fused_linear_cross_entropy_bwd_math,
+    bwd_kernels=fused_linear_cross_entropy_bwd_kernels,
+    setup_context=_setup_context,
+    backward=_backward,
+)
+
+
+def resolve_chunk_size(
+    num_classes: int, hidden_size: int, itemsize: int, chunk_size: int | None, memory_budget_bytes: int | None
+) -> int:
+    """Rows per chunk: ``chunk_size`` if given; else as many rows as ``memory_budget_bytes`` of chunk logits
+    hold (default budget: the weight's size, so the chunk logits are ``H`` rows), rounded down to a
+    multiple of ``MATMUL_ROW_ALIGN`` when at least that many fit."""
+    if chunk_size is not None:
+        return chunk_size
+    row_bytes = num_classes * itemsize
+    budget = memory_budget_bytes if memory_budget_bytes is not None else num_classes * hidden_size * itemsize
+    rows = budget // row_bytes
+    if rows < 1:
+        raise ValueError(
+            f"fused_linear_cross_entropy: memory_budget_bytes={memory_budget_bytes} is smaller than one row of "
+            f"logits ({row_bytes} bytes for V={num_classes})"
+        )
+    return rows - rows % MATMUL_ROW_ALIGN if rows >= MATMUL_ROW_ALIGN else rows
+
+
+def _check_inputs(hidden: Any, weight: Any, labels: Any, bias: Any, chunk_size: Any, memory_budget_bytes: Any) -> None:
+    op = "fused_linear_cross_entropy"
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if hidden.dim() == 0:
+        raise ValueError(f"{op}: hidden must have at least 1 dimension (the hidden size), got a scalar")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{op}: weight must have shape (V, {hidden.shape[-1]}) to match hidden's last dimension, "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"{op}: weight must have at least one row (class), got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{op}: weight must have hidden's dtype ({hidden.dtype}), got {weight.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(
+            f"{op}: weight is on {weight.device} but hidden is on {hidden.device}; both must be on one device"
+        )
+    check_labels(op, labels, hidden.shape[:-1], hidden.device, "hidden's shape without the hidden size")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{op}: bias must be a Tensor or None, got {type(bias).__name__}")
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"{op}: bias must have hidden's dtype ({hidden.dtype}), got {bias.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"{op}: bias is on {bias.device} but hidden is on {hidden.device}")
+    for name, value in (("chunk_size", chunk_size), ("memory_budget_bytes", memory_budget_bytes)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{op}: {name} must be None or a positive int, got {value!r}")
+    if chunk_size is not None and memory_budget_bytes is not None:
+        raise ValueError(f"{op}: give chunk_size or memory_budget_bytes, not both")
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+) -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the ``(N, V)`` logits.
+
+    Args:
+        hidden: ``(..., H)`` float32/bfloat16/float16 (the LM head's input).
+        weight: ``(V, H)``, same dtype (the LM head's weight).
+        labels: ``(...)`` int64/int32 class indices; ``ignore_index`` skips a row. CPU eager
+            raises ``ValueError`` on labels outside ``[0, V)``; CUDA gives NaN loss rows.
+        bias: ``(V,)`` or None.
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap: as :func:`cross_entropy`
+            (the mean is NaN when every label is ignored, with zero gradients).
+        chunk_size: rows of logits computed at a time.
+        memory_budget_bytes: instead of ``chunk_size``, the bytes one chunk of logits may take
+            (default: the weight's size, i.e. ``H`` rows per chunk).
+
+    Returns:
+        The loss in float32, 0-dim unless ``reduction="none"`` (then ``labels``' shape).
+    """
+    _check_inputs(hidden, weight, labels, bias, chunk_size, memory_budget_bytes)
+    check_loss_options(
+        "fused_linear_cross_entropy", ignore_index, reduction, label_smoothing, lse_square_scale, softcap
+    )
+    num_classes, hidden_size = weight.shape
+    chunk = resolve_chunk_size(num_classes, hidden_size, hidden.element_size(), chunk_size, memory_budget_bytes)
+    hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
+    labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_labels_in_range("fused_linear_cross_entropy", labels1d, num_classes, ignore_index)
+    grad_enabled = torch.is_grad_enabled()
+    grads = (
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0))
+    loss, *_grads = fused_linear_cross_entropy_family(
+        hidden2d, weight, labels1d, bias, *options, reduction, chunk, *grads
+    )
+    return loss.view(labels.shape) if reduction == "none" else loss
+
+
+def fused_linear_cross_entropy_ref(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """Plain PyTorch, HF's spelling: ``F.linear`` in the inputs' dtype, then the cross-entropy reference."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_ref(
+        logits, labels, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, softcap=softcap,
+    )  # fmt: skip
+
+
+__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_family", "fused_linear_cross_entropy_ref"]

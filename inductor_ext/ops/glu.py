@@ -1,0 +1,274 @@
+"""SwiGLU / GeGLU: ``torch.ops.fastops.glu_*`` and :func:`swiglu`, :func:`geglu` and their packed forms.
+
+Schemas::
+
+    fastops::glu_fwd(Tensor gate, Tensor up, str activation) -> Tensor y
+    fastops::glu_bwd(Tensor dy, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)
+    fastops::glu_packed_fwd(Tensor gate_up, str activation) -> Tensor y
+    fastops::glu_packed_bwd(Tensor dy, Tensor gate_up, str activation) -> Tensor dgate_up
+
+``activation`` is ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``. ``gate``, ``up`` and
+``dy`` are 2-D ``(M, I)`` with unit column stride and any row stride (e.g. the two
+halves of one projection's output); ``gate_up`` is ``(M, 2I)``, gate first. Outputs
+are contiguous, in the gate's dtype. The backward recomputes the activation from
+the inputs saved for it (``gate`` and ``up``): nothing else is saved. The math is in
+the docstring of :mod:`inductor_ext.kernels.glu`.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from inductor_ext.kernels.glu import ACTIVATIONS, glu_bwd_kernel, glu_fwd_kernel
+from inductor_ext.ops._library import Launch, define_op_family
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+APPROXIMATIONS = ("none", "tanh")
+
+
+def _activation_math(a: Tensor, activation: str) -> Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(a)
+    return torch.nn.functional.gelu(a, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _activation_derivative_math(a: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(act(a), act'(a)), aten only (the backend decomposes into this; no autograd inside ops)."""
+    if activation == "silu":
+        s = torch.sigmoid(a)
+        return a * s, s * (1 + a * (1 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(a * 0.5**0.5))
+        return a * cdf, cdf + a * torch.exp(-0.5 * a * a) * (2 * torch.pi) ** -0.5
+    s = torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (a + 0.044715 * a.pow(3)))
+    du = (2 / torch.pi) ** 0.5 * (1 + 3 * 0.044715 * a * a)
+    return a * s, s + 2 * a * s * (1 - s) * du
+
+
+def glu_fwd_math(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
+    return (_activation_math(gate.float(), activation) * up.float()).to(gate.dtype)
+
+
+def glu_bwd_math(dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """Aten-only backward: dgate = dy * up * act'(gate), dup = dy * act(gate)."""
+    act, dact = _activation_derivative_math(gate.float(), activation)
+    dyf = dy.float()
+    return (dyf * up.float() * dact).to(gate.dtype), (dyf * act).to(gate.dtype)
+
+
+def glu_packed_fwd_math(gate_up: Tensor, activation: str) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return glu_fwd_math(gate, up, activation)
+
+
+def glu_packed_bwd_math(dy: Tensor, gate_up: Tensor, activation: str) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(glu_bwd_math(dy, gate, up, activation), dim=-1)
+
+
+def _is_flat(n_cols: int, *tensors: Tensor) -> bool:
+    """True when every (M, n_cols) tensor is contiguous, so the kernels may run 1-D over M * n_cols."""
+    return all(t.shape[0] <= 1 or t.stride(0) == n_cols for t in tensors)
+
+
+def _grid(n_rows: int, n_cols: int, flat: bool) -> Any:
+    if flat:
+        return lambda meta: (triton.cdiv(n_rows * n_cols, meta["BLOCK"]),)
+    return lambda meta: (n_rows * triton.cdiv(n_cols, meta["BLOCK"]),)
+
+
+def _unit_col_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(
+    launch: Launch, kernel: Any, shape: tuple[int, int], activation: str, *args: Any, flat: bool, packed: bool
+) -> None:
+    """``kernel`` on ``args`` over an ``(M, I)`` ``shape`` of outputs: the grid and constexprs of the layout."""
+    launch(kernel, _grid(*shape, flat), *args, ACTIVATION=ACTIVATIONS[activation], FLAT=flat, PACKED=packed)
+
+
+def glu_fwd_kernels(launch: Launch, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    gate, up = _unit_col_stride(gate), _unit_col_stride(up)
+    M, I = gate.shape
+    y = gate.new_empty((M, I))
+    flat = _is_flat(I, gate, up)
+    _launch(launch, glu_fwd_kernel, (M, I), activation,
+            gate, up, y, M, I, gate.stride(0), up.stride(0), y.stride(0), flat=flat, packed=False)  # fmt: skip
+    return y
+
+
+def glu_bwd_kernels(launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    dy, gate, up = _unit_col_stride(dy), _unit_col_stride(gate), _unit_col_stride(up)
+    M, I = gate.shape
+    dgate, dup = gate.new_empty((M, I)), gate.new_empty((M, I))
+    flat = _is_flat(I, dy, gate, up)
+    _launch(
+        launch, glu_bwd_kernel, (M, I), activation,
+        dy, gate, up, dgate, dup, M, I, dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
+        flat=flat, packed=False,
+    )  # fmt: skip
+    return dgate, dup
+
+
+def glu_packed_fwd_kernels(launch: Launch, gate_up: Tensor, activation: str) -> Tensor:
+    gate_up = _unit_col_stride(gate_up)
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    y = gate_up.new_empty((M, I))
+    _launch(
+        launch, glu_fwd_kernel, (M, I), activation,
+        gate_up, None, y, M, I, gate_up.stride(0), gate_up.stride(0), y.stride(0), flat=False, packed=True,
+    )  # fmt: skip
+    return y
+
+
+def glu_packed_bwd_kernels(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str) -> Tensor:
+    dy, gate_up = _unit_col_stride(dy), _unit_col_stride(gate_up)
+    M, I = dy.shape
+    dgate_up = gate_up.new_empty((M, 2 * I))
+    _launch(
+        launch, glu_bwd_kernel, (M, I), activation,
+        dy, gate_up, None, dgate_up, None,
+        M, I, dy.stride(0), gate_up.stride(0), gate_up.stride(0), dgate_up.stride(0), dgate_up.stride(0),
+        flat=False, packed=True,
+    )  # fmt: skip
+    return dgate_up
+
+
+def _setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
+    *tensors, ctx.activation = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx: Any, bwd: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    return (*bwd(dy, *ctx.saved_tensors, ctx.activation), None)
+
+
+def _packed_backward(ctx: Any, bwd: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+    return bwd(dy, *ctx.saved_tensors, ctx.activation), None
+
+
+glu_family = define_op_family(
+    "glu",
+    fwd_math=glu_fwd_math,
+    fwd_kernels=glu_fwd_kernels,
+    bwd_math=glu_bwd_math,
+    bwd_kernels=glu_bwd_kernels,
+    setup_context=_setup_context,
+    backward=_backward,
+)
+
+glu_packed_family = define_op_family(
+    "glu_packed",
+    fwd_math=glu_packed_fwd_math,
+    fwd_kernels=glu_packed_fwd_kernels,
+    bwd_math=glu_packed_bwd_math,
+    bwd_kernels=glu_packed_bwd_kernels,
+    setup_context=_setup_context,
+    backward=_packed_backward,
+)
+
+
+def _check_tensor(fn: str, name: str, t: Any) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.dim() == 0:
+        raise ValueError(f"{fn}: {name} must have at least 1 dimension, got a scalar")
+
+
+def _activation_name(fn: str, approximate: str) -> str:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"{fn}: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    return "gelu_tanh" if approximate == "tanh" else "gelu"
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as (M, n) with unit column stride; a view whenever the leading dims allow one."""
+    t2d = t if t.dim() == 2 else (t.flatten(0, -2) if t.dim() > 2 else t.unsqueeze(0))
+    return _unit_col_stride(t2d)
+
+
+def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    _check_tensor(fn, "gate", gate)
+    _check_tensor(fn, "up", up)
+    if up.shape != gate.shape:
+        raise ValueError(f"{fn}: up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"{fn}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"{fn}: up is on {up.device} but gate is on {gate.device}; both must be on one device")
+    y = glu_family(_rows(gate), _rows(up), activation)
+    return y if gate.dim() == 2 else y.view(gate.shape)
+
+
+def _glu_packed(fn: str, gate_up: Tensor, activation: str) -> Tensor:
+    _check_tensor(fn, "gate_up", gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"{fn}: gate_up's last dimension must be even (gate and up halves), got {gate_up.shape[-1]}")
+    y = glu_packed_family(_rows(gate_up), activation)
+    return y if gate_up.dim() == 2 else y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)``), fused.
+
+    Args:
+        gate, up: same shape and dtype (float32/bfloat16/float16), any leading dims.
+            Rows may have any stride (e.g. halves of one projection); only a last dim
+            without unit stride, or leading dims that cannot be flattened, are copied.
+
+    Computes in fp32 and rounds once to the inputs' dtype (HF eager also rounds
+    ``silu(gate)`` to the dtype before the product). The backward recomputes
+    ``silu(gate)`` from the saved inputs.
+    """
+    return _glu("swiglu", gate, up, "silu")
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """``gelu(gate, approximate=approximate) * up``, fused; ``approximate`` is ``"none"`` (erf) or ``"tanh"``.
+
+    Same arguments and numerics as :func:`swiglu`.
+    """
+    return _glu("geglu", gate, up, _activation_name("geglu", approximate))
+
+
+def swiglu_packed(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)`` (Phi-3's fused ``gate_up_proj``).
+
+    ``gate_up`` is ``(..., 2 * I)``; returns ``(..., I)``. The gradient is one
+    ``(..., 2 * I)`` tensor written by one kernel (no concatenation).
+    """
+    return _glu_packed("swiglu_packed", gate_up, "silu")
+
+
+def geglu_packed(gate_up: Tensor, approximate: str = "none") -> Tensor:
+    """``gelu(gate, approximate=approximate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``."""
+    return _glu_packed("geglu_packed", gate_up, _activation_name("geglu_packed", approximate))
+
+
+def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:
+    """Plain-PyTorch SwiGLU, the HF spelling (differentiable). With float64 inputs it is the exact reference."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def geglu_ref(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """Plain-PyTorch GeGLU, the HF spelling (differentiable)."""
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
+
+
+__all__ = [
+    "geglu",
+    "geglu_packed",
+    "geglu_ref",
+    "glu_family",
+    "glu_packed_family",
+    "swiglu",
+    "swiglu_packed",
+    "swiglu_ref",
+]

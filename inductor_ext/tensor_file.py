@@ -1,0 +1,47 @@
+"""The tensor file format the C++ runner (``csrc/aoti_runner.cpp``) reads and writes.
+
+Little-endian: ``b"FOTF"``, uint32 count, then per tensor: uint32 dtype code, uint32
+ndim, int64 sizes[ndim] and the contiguous data (CPU). Small and dependency-free on
+both sides, unlike a pickle.
+"""
+
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+MAGIC = b"FOTF"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+"""Position = the dtype code (must match kDtypes in csrc/aoti_runner.cpp)."""
+
+
+def write_tensors(path: str | Path, tensors: Sequence[torch.Tensor]) -> None:
+    chunks = [MAGIC, struct.pack("<I", len(tensors))]
+    for i, t in enumerate(tensors):
+        if t.dtype not in DTYPES:
+            raise TypeError(f"write_tensors: tensor {i} has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
+        t = t.detach().to("cpu").contiguous()
+        chunks.append(struct.pack("<II", DTYPES.index(t.dtype), t.dim()))
+        chunks.append(struct.pack(f"<{t.dim()}q", *t.shape))
+        chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    Path(path).write_bytes(b"".join(chunks))
+
+
+def read_tensors(path: str | Path) -> list[torch.Tensor]:
+    data = Path(path).read_bytes()
+    if data[:4] != MAGIC:
+        raise ValueError(f"read_tensors: {path} is not a tensor file (no {MAGIC!r} header)")
+    (count,), offset = struct.unpack_from("<I", data, 4), 8
+    tensors = []
+    for _ in range(count):
+        code, ndim = struct.unpack_from("<II", data, offset)
+        offset += 8
+        shape = struct.unpack_from(f"<{ndim}q", data, offset)
+        offset += 8 * ndim
+        dtype = DTYPES[code]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raw = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else None
+        tensors.append(raw.view(dtype).view(shape) if raw is not None else torch.empty(shape, dtype=dtype))
+        offset += nbytes
+    return tensors

@@ -1,0 +1,40 @@
+"""Checks shared by the GPU tests of compiled graphs (tests/gpu/test_*_gpu.py)."""
+
+import torch
+
+
+def run_and_get_joined_code(fn, *args):
+    """``fn(*args)`` and the code Inductor generated while it ran, as one string."""
+    from torch._inductor.utils import run_and_get_code
+
+    result, codes = run_and_get_code(fn, *args)
+    return result, "\n".join(codes)
+
+
+def compile_with_cpp_wrapper_counting_tuning(monkeypatch, fn, args, kernel_name):
+    """Compile ``fn`` with ``cpp_wrapper`` and compile-time autotuning, run it twice on ``args``.
+
+    Asserts that the generated code launches ``kernel_name``, that the kernel was
+    tuned while compiling, and that running the compiled C++ wrapper tunes nothing.
+    Returns the outputs of the first and the second call.
+    """
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    tuned = []
+    original = CachingAutotuner.benchmark_all_configs
+
+    def counting(self, *a, **kw):
+        tuned.append(self.fn.__name__)
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
+    compiled = torch.compile(fn, fullgraph=True)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True}):
+        first, code = run_and_get_joined_code(compiled, *args)
+        assert kernel_name in code
+        assert any(kernel_name in name for name in tuned), tuned  # tuned while compiling
+        calls_after_compile = len(tuned)
+        second = compiled(*args)
+    assert len(tuned) == calls_after_compile  # running the compiled C++ wrapper tunes nothing
+    return first, second
