@@ -25,7 +25,7 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -108,9 +108,9 @@ class DirectLaunch:
     :attr:`forced_config` or else the first pruned config (the heuristic's pick).
     """
 
-    forced_config: dict[str, Any] | None = None
-    _tuned: dict[tuple[Any, ...], dict[str, Any]] = {}
-    _key_positions: dict[Any, tuple[list[int], list[str]]] = {}
+    forced_config: ClassVar[dict[str, Any] | None] = None
+    _tuned: ClassVar[dict[tuple[Any, ...], dict[str, Any]]] = {}
+    _key_positions: ClassVar[dict[Any, tuple[list[int], list[str]]]] = {}
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         if not isinstance(kernel, Autotuner):
@@ -295,7 +295,46 @@ def _traces_math(qualname: str, args: Sequence[Any]) -> bool:
     return choose_math is not None and choose_math(qualname, args)
 
 
-def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., Any]) -> OpOverload:
+@dataclasses.dataclass(frozen=True)
+class MutatingOp:
+    """An op that writes into some of its inputs; it has no autograd formula (PyTorch refuses
+    them on mutating ops), so callers wire gradients themselves (e.g. an ``autograd.Function``)."""
+
+    op: OpOverload
+    run_direct: Callable[..., Any]
+    """Direct launches (eager), bumping each mutated tensor's version counter as the dispatcher would."""
+    tensor_args: tuple[int, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        if use_eager_bypass([args[i] for i in self.tensor_args]):
+            return self.run_direct(*args)
+        return self.op(*args)
+
+
+def define_mutating_op(
+    name: str, *, math: Callable[..., Any], kernels: Callable[..., Any], mutates: Sequence[str]
+) -> MutatingOp:
+    """Register ``fastops::{name}`` writing into the arguments named in ``mutates``.
+
+    ``math`` and ``kernels`` follow :func:`define_op_family`'s conventions (the annotated
+    signature of ``math`` is the schema; the first argument picks the device and path).
+    """
+    op = _define_op(name, math, kernels, mutates_args=tuple(mutates))
+    arguments = op._schema.arguments
+    mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
+
+    def run_direct(*args: Any) -> Any:
+        output = _run_direct(math, kernels, args)
+        for i in mutated:
+            torch.autograd.graph.increment_version(args[i])
+        return output
+
+    return MutatingOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
+
+
+def _define_op(
+    qualname: str, math: Callable[..., Any], kernels: Callable[..., Any], mutates_args: tuple[str, ...] = ()
+) -> OpOverload:
     full_name = f"{NAMESPACE}::{qualname}"
 
     @functools.wraps(math)
@@ -305,5 +344,5 @@ def _define_op(qualname: str, math: Callable[..., Any], kernels: Callable[..., A
             return math(*args)
         return kernels(_TRACEABLE, *args)
 
-    triton_op(full_name, body, mutates_args=())
+    triton_op(full_name, body, mutates_args=mutates_args)
     return getattr(getattr(torch.ops, NAMESPACE), qualname).default

@@ -30,14 +30,12 @@ the device. When every label is ignored that count is 0 and, as in
 ``torch.nn.functional.cross_entropy``, the mean is NaN; the gradient is all zeros.
 """
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 from torch import Tensor
-from torch.library import triton_op
 
 from inductor_ext.kernels.cross_entropy import (
     SCALE_BLOCK,
@@ -45,15 +43,7 @@ from inductor_ext.kernels.cross_entropy import (
     cross_entropy_fwd_kernel,
     scale_rows_kernel,
 )
-from inductor_ext.ops._library import (
-    NAMESPACE,
-    DirectLaunch,
-    Launch,
-    TraceableLaunch,
-    define_op_family,
-    kernels_run_on,
-    use_eager_bypass,
-)
+from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -315,46 +305,14 @@ def cross_entropy_bwd_inplace_kernels(launch: Launch, dlogits: Tensor, grad_outp
     launch_scale_rows(launch, dlogits, dlogits, grad_output, skip_unit_scale=True)
 
 
-_TRACEABLE = TraceableLaunch()
-_DIRECT = DirectLaunch()
-
-
-def _define_mutating_op(
-    name: str, math: Callable[..., Any], kernels: Callable[..., Any], mutated: str
-) -> Callable[..., Any]:
-    """``fastops::{name}`` as a triton_op that mutates ``mutated``; returns the eager direct runner.
-
-    ``define_op_family`` registers functional ops only (``mutates_args=()``), and PyTorch
-    refuses autograd formulas on mutating ops, so these are wired by hand: same CPU
-    branch as the recipe, and a direct-launch twin for eager that bumps the mutated
-    tensor's version counter as the dispatcher would (autograd then rejects any saved
-    copy of it that is used later).
-    """
-
-    @functools.wraps(math)
-    def body(*args: Any) -> Any:
-        x = args[0]
-        if x.device.type != "cuda" or x.numel() == 0:
-            return math(*args)
-        return kernels(_TRACEABLE, *args)
-
-    triton_op(f"{NAMESPACE}::{name}", body, mutates_args=(mutated,))
-
-    def run_direct(*args: Any) -> Any:
-        x = args[0]
-        out = math(*args) if x.numel() == 0 or not kernels_run_on(x.device) else kernels(_DIRECT, *args)
-        torch.autograd.graph.increment_version(x)
-        return out
-
-    return run_direct
-
-
-_fwd_inplace_direct = _define_mutating_op(
-    "cross_entropy_fwd_inplace", cross_entropy_fwd_inplace_math, cross_entropy_fwd_inplace_kernels, "logits"
-)
-_bwd_inplace_direct = _define_mutating_op(
-    "cross_entropy_bwd_inplace", cross_entropy_bwd_inplace_math, cross_entropy_bwd_inplace_kernels, "dlogits"
-)
+_fwd_inplace = define_mutating_op(
+    "cross_entropy_fwd_inplace", math=cross_entropy_fwd_inplace_math, kernels=cross_entropy_fwd_inplace_kernels,
+    mutates=("logits",),
+)  # fmt: skip
+_bwd_inplace = define_mutating_op(
+    "cross_entropy_bwd_inplace", math=cross_entropy_bwd_inplace_math, kernels=cross_entropy_bwd_inplace_kernels,
+    mutates=("dlogits",),
+)  # fmt: skip
 
 
 class _CrossEntropyInplace(torch.autograd.Function):
@@ -366,20 +324,14 @@ class _CrossEntropyInplace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, *options: Any) -> Tensor:
-        if use_eager_bypass([logits, labels]):
-            loss = _fwd_inplace_direct(logits, labels, *options)
-        else:
-            loss = torch.ops.fastops.cross_entropy_fwd_inplace(logits, labels, *options)
+        loss = _fwd_inplace(logits, labels, *options)
         ctx.save_for_backward(logits)
         return loss
 
     @staticmethod
     def backward(ctx: Any, dloss: Tensor) -> tuple[Tensor | None, ...]:
         (dlogits,) = ctx.saved_tensors
-        if use_eager_bypass([dlogits, dloss]):
-            _bwd_inplace_direct(dlogits, dloss)
-        else:
-            torch.ops.fastops.cross_entropy_bwd_inplace(dlogits, dloss)
+        _bwd_inplace(dlogits, dloss)
         return dlogits, None, None, None, None, None, None
 
 

@@ -27,18 +27,9 @@ from typing import Any
 import torch
 import triton
 from torch import Tensor
-from torch.library import triton_op
 
 from inductor_ext.kernels.rope import MAX_HEAD_DIM, rope_inplace_kernel, rope_kernel
-from inductor_ext.ops._library import (
-    NAMESPACE,
-    DirectLaunch,
-    Launch,
-    TraceableLaunch,
-    define_op_family,
-    kernels_run_on,
-    use_eager_bypass,
-)
+from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -220,8 +211,7 @@ rope_family = define_op_family(
 # The in-place form mutates q and k, which define_op_family (functional ops with
 # autograd) does not cover: it is registered here with mutates_args, without autograd.
 
-_DIRECT = DirectLaunch()
-_TRACEABLE = TraceableLaunch()
+
 
 
 def _rope_inplace_math(
@@ -243,28 +233,9 @@ def _rope_inplace_kernels(
             target.copy_(rotated)
 
 
-def rope_inplace(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int
-) -> None:
-    """Body of ``fastops::rope_inplace``: CPU branch, else the Triton kernel through ``wrap_triton``."""
-    if q.device.type != "cuda" or q.numel() == 0:
-        _rope_inplace_math(q, k, cos, sin, position_ids, unsqueeze_dim)
-        return
-    _rope_inplace_kernels(_TRACEABLE, q, k, cos, sin, position_ids, unsqueeze_dim)
-
-
-triton_op(f"{NAMESPACE}::rope_inplace", rope_inplace, mutates_args={"q", "k"})
-
-
-def _run_inplace(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int
-) -> None:
-    if not use_eager_bypass([q, k, cos, sin, position_ids]):
-        torch.ops.fastops.rope_inplace(q, k, cos, sin, position_ids, unsqueeze_dim)
-    elif q.numel() == 0 or not kernels_run_on(q.device):
-        _rope_inplace_math(q, k, cos, sin, position_ids, unsqueeze_dim)
-    else:
-        _rope_inplace_kernels(_DIRECT, q, k, cos, sin, position_ids, unsqueeze_dim)
+rope_inplace = define_mutating_op(
+    "rope_inplace", math=_rope_inplace_math, kernels=_rope_inplace_kernels, mutates=("q", "k")
+)
 
 
 def _check_inputs(
@@ -403,7 +374,7 @@ def apply_rotary_pos_emb_(
         raise TypeError(
             f"apply_rotary_pos_emb_: cos's dtype {cos.dtype} would promote q's {q.dtype}; in place it cannot"
         )
-    _run_inplace(q, k, cos, sin, position_ids, dim)
+    rope_inplace(q, k, cos, sin, position_ids, dim)
     return q, k
 
 
