@@ -17,6 +17,10 @@ setup(
         "test": ["pytest>=8", "numpy<2.4", "cmake>=3.18"],  # cmake builds the C++ runner in tests
         "bench": ["tabulate", "matplotlib"],
         "hf": ["transformers", "peft"],
+        "tune": ["tqdm", "tabulate", "pyyaml"],
     },
-    entry_points={"torch_dynamo_backends": ["fastops_inductor = inductor_ext.inductor.backend:fastops_inductor"]},
+    entry_points={
+        "torch_dynamo_backends": ["fastops_inductor = inductor_ext.inductor.backend:fastops_inductor"],
+        "console_scripts": ["inductor-ext-autotune = inductor_ext.autotune.__main__:main"],
+    },
 )

@@ -1,17 +1,25 @@
 """The tuning database: one JSON file of measured choices, safe to share between processes.
 
-Location: ``$INDUCTOR_EXT_CACHE_DIR/tuning.json`` (default ``~/.cache/inductor_ext``).
-Each entry is keyed by what it was measured for (op, argument signature, GPU) and
-stores the versions it was measured with; an entry whose versions differ from the
-running ones is ignored (and dropped on the next write). Writers take a file lock,
-re-read, merge and atomically replace the file, so concurrent processes lose no
-entry and a process killed mid-write leaves the previous file intact.
+Location: ``$INDUCTOR_EXT_CACHE_DIR/tuning.json``; without the variable,
+``$XDG_CACHE_HOME/inductor_ext/tuning.json`` (``~/.cache/inductor_ext`` when that is unset too).
+
+Format: ``{"entries": {key: {"versions": {...}, "record": {...}}}}``. Each entry is keyed
+by what it was measured for (op, argument signature, device: see
+:func:`inductor_ext.inductor.choice.route_key`) and stores the versions it was measured
+with; an entry whose versions differ from the running ones (:func:`current_versions`) is
+ignored, and dropped on the next write.
+
+Concurrency: writers take a file lock (``tuning.json.lock``), re-read, merge and
+atomically replace the file (write a temporary in the same directory, fsync,
+``os.replace``). So concurrent processes or ranks lose no entry, and a process killed
+mid-write leaves the previous file intact; its orphaned temporary is removed by the
+next writer (temporaries exist only while a writer holds the lock).
 """
 
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +31,9 @@ from inductor_ext.version import __version__
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("INDUCTOR_EXT_CACHE_DIR", Path.home() / ".cache" / "inductor_ext"))
+    if "INDUCTOR_EXT_CACHE_DIR" in os.environ:
+        return Path(os.environ["INDUCTOR_EXT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inductor_ext"
 
 
 def current_versions() -> dict[str, str]:
@@ -39,20 +49,26 @@ class TuningDatabase:
 
     def get(self, key: str) -> dict[str, Any] | None:
         entry = self._read().get(key)
-        if entry is None or entry.get("versions") != current_versions():
+        if entry is None or entry["versions"] != current_versions():
             return None
         return entry["record"]
 
     def put(self, key: str, record: dict[str, Any]) -> None:
+        self.update({key: record})
+
+    def update(self, records: Mapping[str, dict[str, Any]]) -> None:
+        """Store several records in one locked read-merge-replace."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        versions = current_versions()
         with self._lock:
-            entries = {k: e for k, e in self._read().items() if e.get("versions") == current_versions()}
-            entries[key] = {"versions": current_versions(), "record": record}
+            entries = {k: e for k, e in self._read().items() if e["versions"] == versions}
+            entries.update({k: {"versions": versions, "record": r} for k, r in records.items()})
             self._write(entries)
 
     def items(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Current-version ``(key, record)`` pairs, sorted by key."""
         for key, entry in sorted(self._read().items()):
-            if entry.get("versions") == current_versions():
+            if entry["versions"] == current_versions():
                 yield key, entry["record"]
 
     def clear(self) -> None:
@@ -68,11 +84,22 @@ class TuningDatabase:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"tuning database {self.path} is not valid JSON ({error}); delete it or run "
-                             "`python -m inductor_ext.autotune clear`") from error  # fmt: skip
-        return data.get("entries", {}) if isinstance(data, dict) else {}
+            raise self._malformed(f"is not valid JSON ({error})") from error
+        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(entries, dict):
+            raise self._malformed('has no "entries" object')
+        for key, entry in entries.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("versions"), dict) and isinstance(entry.get("record"), dict)):
+                raise self._malformed(f'has a malformed entry {key!r} (expected {{"versions": {{...}}, "record": {{...}}}})')
+        return entries
+
+    def _malformed(self, problem: str) -> ValueError:
+        return ValueError(f"tuning database {self.path} {problem}; delete it or run `python -m inductor_ext.autotune clear`")
 
     def _write(self, entries: dict[str, Any]) -> None:
+        """Atomically replace the file (called with the lock held)."""
+        for orphan in self.path.parent.glob(f"{self.path.name}*.tmp"):
+            orphan.unlink(missing_ok=True)  # left by a writer killed mid-write
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:

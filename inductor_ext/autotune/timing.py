@@ -1,4 +1,5 @@
-"""GPU timing on random inputs built from shapes alone (no model, no real data)."""
+"""GPU timing on random inputs built from shapes alone (no model, no real data); the inputs
+themselves come from :mod:`inductor_ext.autotune.inputs`."""
 
 import statistics
 from collections.abc import Callable, Sequence
@@ -15,24 +16,12 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
-def random_like(value: Any, device: torch.device | None = None) -> Any:
-    """A real tensor with ``value``'s shape (hints), dtype and device; non-tensors pass through.
-
-    Floats are ``randn`` (unit scale, the scale of normalised activations and logits);
-    integers are uniform in ``[0, 2)`` (a valid class, position or index for any op);
-    never all zeros.
-    """
-    if not isinstance(value, torch.Tensor):
-        return value
-    shape = [size_hint(s) for s in value.shape]
-    if any(s is None for s in shape):
-        raise ValueError(f"cannot build a random input for a tensor of data-dependent shape {tuple(value.shape)}")
-    device = device or value.device
-    if value.dtype.is_floating_point:
-        return torch.randn(shape, dtype=value.dtype, device=device)
-    if value.dtype == torch.bool:
-        return torch.rand(shape, device=device) < 0.5
-    return torch.randint(0, 2, shape, dtype=value.dtype, device=device)
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape (hints for symbolic sizes) and dtype: shapes without storage."""
+    hints = [size_hint(s) for s in t.shape]
+    if None in hints:
+        raise ValueError(f"cannot tune a tensor of data-dependent shape {tuple(t.shape)}")
+    return torch.empty([int(s) for s in hints if s is not None], dtype=t.dtype, device="meta")
 
 
 def signature(args: Sequence[Any]) -> str:

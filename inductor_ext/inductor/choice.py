@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
-from inductor_ext.autotune.timing import median_ms, signature, size_hint
+from inductor_ext.autotune.timing import median_ms, meta_like, signature
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, OpFamily
 
@@ -140,14 +140,10 @@ def measure_routes(
     and an independent Inductor compile of the math.
     """
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        meta_args = [_meta_like(a) if isinstance(a, torch.Tensor) else a for a in fake_args]
+        meta_args = [meta_like(a) if isinstance(a, torch.Tensor) else a for a in fake_args]
     device = device if device is not None else fake_args[0].device
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(_measure_routes, family, meta_args, device, options).result()
-
-
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty([size_hint(s) for s in t.shape], dtype=t.dtype, device="meta")
 
 
 def _measure_routes(

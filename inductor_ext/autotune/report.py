@@ -1,0 +1,73 @@
+"""What the autotuner prints: a progress bar while tuning, and tables of decisions.
+
+tqdm draws the bar and tabulate the tables when they are installed (the ``tune``
+extra); otherwise plain lines and aligned plain-text columns.
+"""
+
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from inductor_ext.inductor.choice import RouteDecision
+
+COLUMNS = ("op", "signature", "device", "kernel ms", "inductor ms", "choice", "speedup", "source")
+"""``speedup``: the other route's time over the chosen one's. ``source``: ``measured`` (timed by
+this run), ``database`` (read from it), ``untuned`` (recorded on CPU, nothing timed)."""
+
+T = TypeVar("T")
+
+
+def progress(items: Sequence[T], label: str) -> Iterator[T]:
+    """Yield ``items`` while showing progress on stderr (without tqdm: one line per item, ``str(item)``)."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        for i, item in enumerate(items):
+            print(f"[{i + 1}/{len(items)}] {label}: {item}", file=sys.stderr, flush=True)
+            yield item
+        return
+    yield from tqdm(items, desc=label, unit="call", file=sys.stderr)
+
+
+def decision_row(decision: RouteDecision, device: str) -> list[str]:
+    times = [t for t in (decision.kernel_ms, decision.inductor_ms) if t is not None]
+    speedup = f"{max(times) / min(times):.2f}x" if len(times) == 2 and min(times) > 0 else "-"
+    return [_short(decision.op), decision.signature, device, _ms(decision.kernel_ms), _ms(decision.inductor_ms),
+            decision.route, speedup, decision.reason]  # fmt: skip
+
+
+def untuned_row(op: str, signature: str, device: str) -> list[str]:
+    return [_short(op), signature, device, "-", "-", "-", "-", "untuned"]
+
+
+def entry_rows(items: Iterable[tuple[str, dict[str, Any]]]) -> list[list[str]]:
+    """Table rows of tuning-database entries: one per route decision, one per untuned call."""
+    rows = []
+    for key, record in items:
+        kind, _, rest = key.partition("|")
+        op, _, rest = rest.partition("|")
+        signature, _, device = rest.rpartition("|")
+        if kind != "route":
+            rows.append([key, "-", "-", "-", "-", "-", "-", str(record)])
+        elif record.get("status") == "untuned":
+            rows.append(untuned_row(op, signature, device))
+        else:
+            rows.extend(decision_row(RouteDecision(**d), device) for d in record["decisions"])
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    try:
+        from tabulate import tabulate  # type: ignore[import-untyped]
+    except ImportError:
+        widths = [max(len(str(r[i])) for r in (COLUMNS, *rows)) for i in range(len(COLUMNS))]
+        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (COLUMNS, *rows))
+    return tabulate(rows, headers=COLUMNS, disable_numparse=True)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _short(op: str) -> str:
+    return op.removeprefix("fastops::")

@@ -1,0 +1,40 @@
+"""Tune collected op calls into the tuning database.
+
+On a GPU each call's forward and backward are timed on both routes (our kernels,
+autotuned over their persistent and looped configs, against Inductor's code for the
+op's math) by :func:`inductor_ext.inductor.choice.decide_routes`, the function the
+``fastops_inductor`` backend decides through; so the decisions land under the keys the
+backend reads, and a later compile of these shapes times nothing. Calls already in
+the database are not timed again.
+
+On CPU nothing is timed (the backend's route there is always Inductor's): each call
+is recorded as ``{"status": "untuned"}`` under its route key with device ``"cpu"``,
+so ``show`` lists what a GPU run would tune.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from inductor_ext.autotune.calls import OpCall
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.autotune.report import progress
+from inductor_ext.inductor.choice import RouteDecision, decide_routes, route_key
+from inductor_ext.inductor.options import BackendOptions
+
+UNTUNED = {"status": "untuned"}
+
+
+def record_untuned(calls: Sequence[OpCall], database: TuningDatabase) -> None:
+    """Record ``calls`` as untuned CPU entries, in one database write."""
+    database.update({route_key(call.op, call.signature, "cpu"): dict(UNTUNED) for call in calls})
+
+
+def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions) -> list[RouteDecision]:
+    """Decisions (forward and backward) for every call on ``device``, a GPU."""
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device to time on, got {device}")
+    decisions: list[RouteDecision] = []
+    for call in progress(calls, "tuning"):
+        decisions.extend(decide_routes(call.family, call.args, options, database, device))
+    return decisions
