@@ -15,7 +15,10 @@ from typing import Any
 import torch
 
 from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
-from inductor_ext.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+from inductor_ext.ops.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref,
+)
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 128256)]
 

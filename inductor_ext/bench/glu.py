@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
 from inductor_ext.ops.glu import swiglu, swiglu_packed, swiglu_ref
 
 SHAPES = [(16384, 14336), (8192, 11008), (4096, 28672)]
@@ -74,13 +74,4 @@ def providers(mode: str) -> list[Provider]:
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:
-    results = []
-    es = torch.finfo(dtype).bits // 8
-    for mode, factor in (("fwd", 3), ("fwd_bwd", 8)):
-        for m, n in shapes:
-            torch._dynamo.reset()
-            results += run_providers(
-                "glu", mode, f"{m}x{n}", dtype, _make_inputs(m, n, dtype), factor * m * n * es,
-                providers(mode), copy_gbps, baseline="torch_compile",
-            )  # fmt: skip
-    return results
+    return run_matrix_op("glu", {"fwd": 3, "fwd_bwd": 8}, shapes, dtype, copy_gbps, _make_inputs, providers)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,6 @@ def copy_bandwidth_gbps(gib: float = 2.0) -> float:
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
     ms, _, _ = do_bench_median(lambda: dst.copy_(src))
-    del src, dst
     return 2 * n * 4 / ms / 1e6
 
 
@@ -110,6 +109,32 @@ def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
         return calls[state["i"]]()
 
     return run
+
+
+def run_matrix_op(
+    op: str,
+    bytes_per_element: Mapping[str, int],
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    copy_gbps: float,
+    make_inputs: Callable[[int, int, torch.dtype], Callable[[], Inputs]],
+    providers: Callable[[str], list[Provider]],
+) -> list[Result]:
+    """Every mode of ``bytes_per_element`` at every ``(M, N)`` shape, all providers side by side.
+
+    Minimal bytes of a mode: ``bytes_per_element[mode] * M * N * element size`` (e.g.
+    RMSNorm: 2 for the forward, 5 for forward+backward). Dynamo is reset per shape.
+    """
+    results = []
+    element_size = torch.finfo(dtype).bits // 8
+    for mode, factor in bytes_per_element.items():
+        for m, n in shapes:
+            torch._dynamo.reset()
+            results += run_providers(
+                op, mode, f"{m}x{n}", dtype, make_inputs(m, n, dtype), factor * m * n * element_size,
+                providers(mode), copy_gbps, baseline="torch_compile",
+            )  # fmt: skip
+    return results
 
 
 def run_providers(

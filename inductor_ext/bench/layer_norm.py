@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_ref
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384), (65536, 2048)]
@@ -64,13 +64,4 @@ def providers(mode: str) -> list[Provider]:
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:
-    results = []
-    es = torch.finfo(dtype).bits // 8
-    for mode, factor in (("fwd", 2), ("fwd_bwd", 5)):
-        for m, n in shapes:
-            torch._dynamo.reset()
-            results += run_providers(
-                "layer_norm", mode, f"{m}x{n}", dtype, _make_inputs(m, n, dtype), factor * m * n * es,
-                providers(mode), copy_gbps, baseline="torch_compile",
-            )  # fmt: skip
-    return results
+    return run_matrix_op("layer_norm", {"fwd": 2, "fwd_bwd": 5}, shapes, dtype, copy_gbps, _make_inputs, providers)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384), (65536, 2048)]
@@ -65,16 +65,7 @@ def providers(mode: str) -> list[Provider]:
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:
-    results = []
-    es = torch.finfo(dtype).bits // 8
-    for mode, factor in (("fwd", 2), ("fwd_bwd", 5)):
-        for m, n in shapes:
-            torch._dynamo.reset()
-            results += run_providers(
-                "rms_norm", mode, f"{m}x{n}", dtype, _make_inputs(m, n, dtype), factor * m * n * es,
-                providers(mode), copy_gbps, baseline="torch_compile",
-            )  # fmt: skip
-    return results
+    return run_matrix_op("rms_norm", {"fwd": 2, "fwd_bwd": 5}, shapes, dtype, copy_gbps, _make_inputs, providers)
 
 
 def host_overhead_us(n: int = 4096, calls: int = 500, rounds: int = 15) -> dict[str, float]:

@@ -32,33 +32,12 @@ from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 from inductor_ext.ops.rope import rope_family
+from tests.hf_spellings import LlamaRMSNorm, rotate_half
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "tests.autotune.test_autotune:tiny_model"
 
 # ---------------------------------------------------------------- the tiny Llama-style model
-
-
-class RMSNorm(torch.nn.Module):
-    """transformers' LlamaRMSNorm, verbatim."""
-
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Block(torch.nn.Module):
@@ -67,7 +46,7 @@ class Block(torch.nn.Module):
     def __init__(self, hidden: int, intermediate: int, heads: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(hidden), RMSNorm(hidden)
+        self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(hidden), LlamaRMSNorm(hidden)
         self.q_proj, self.k_proj = torch.nn.Linear(hidden, hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
         self.v_proj, self.o_proj = torch.nn.Linear(hidden, hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
         self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
@@ -91,7 +70,7 @@ class TinyLlama(torch.nn.Module):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(vocab, hidden)
         self.layers = torch.nn.ModuleList(Block(hidden, intermediate, heads) for _ in range(layers))
-        self.norm = RMSNorm(hidden)
+        self.norm = LlamaRMSNorm(hidden)
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2).float() / (hidden // heads)))
 

@@ -9,46 +9,23 @@ import operator
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
+from tests.hf_spellings import (
+    CausalLMLoss,
+    GemmaRMSNorm,
+    LlamaMLP,
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
 from tests.tolerances import OUTPUT, reduced_grad, rel_err
-
-
-class LlamaRMSNorm(torch.nn.Module):
-    """transformers.models.llama.modeling_llama.LlamaRMSNorm's forward, verbatim."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-class GemmaRMSNorm(torch.nn.Module):
-    """transformers.models.gemma.modeling_gemma.GemmaRMSNorm, verbatim."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(0.1 * torch.randn(dim))
-
-    def _norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x):
-        output = self._norm(x.float())
-        output = output * (1.0 + self.weight.float())
-        return output.type_as(x)
 
 
 class FunctionalRMSNorm(torch.nn.Module):
@@ -73,10 +50,11 @@ def _fresh_dynamo(tmp_path, monkeypatch):
     """Fresh Dynamo state and tuning database; no FX-graph / AOTAutograd cache hits, which
     skip tracing (and so the op bodies' route counters these tests read)."""
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     counters.clear()
+    # config.patch, not monkeypatch: config modules resolve their entries dynamically
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 def _run(module, x, **compile_kwargs):
@@ -126,6 +104,7 @@ def test_bf16_llama_rewrite_keeps_hf_rounding():
     assert y.dtype == torch.bfloat16
     ref = module.float()(x.double().float()).double()  # fp32 math as the reference's upper bound
     assert rel_err(y, y_e) <= 2 * OUTPUT[torch.bfloat16]
+    assert rel_err(dx, dx_e) <= 2 * OUTPUT[torch.bfloat16]
     assert rel_err(y, ref) < OUTPUT[torch.bfloat16]
 
 
@@ -133,7 +112,7 @@ def test_near_miss_is_left_alone():
     module = NotRMSNorm()
     (y, dx, _), (y_e, dx_e, _) = _run(module, torch.randn(6, 32))
     assert not any(k.startswith("rewrite_") for k in counters["inductor_ext"])
-    assert rel_err(y, y_e) < OUTPUT[torch.float32]
+    assert rel_err(y, y_e) < OUTPUT[torch.float32] and rel_err(dx, dx_e) < OUTPUT[torch.float32]
 
 
 def test_patterns_option_turns_rewrites_off():
@@ -229,9 +208,8 @@ def test_fx_graph_cache_misses_when_our_options_change(monkeypatch, tmp_path):
     from torch._inductor import config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(config, "fx_graph_cache", True)
     module, x = LlamaRMSNorm(32), torch.randn(4, 32)
-    with torch.no_grad():
+    with torch.no_grad(), config.patch(fx_graph_cache=True):
         for route in ("auto", "inductor", "auto"):
             torch._dynamo.reset()
             torch.compile(module, backend="fastops_inductor", options={"fastops.route": route})(x)
@@ -296,20 +274,6 @@ def test_rewrite_folds_the_weight_into_the_op(make, expect_weight):
     assert (weight is not None) == expect_weight
 
 
-class LlamaMLP(torch.nn.Module):
-    """transformers' LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = {"silu": torch.nn.SiLU(), "gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU("tanh")}[act]
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_glu_mlp_is_rewritten(act):
     module = LlamaMLP(32, 80, act)
@@ -320,21 +284,6 @@ def test_glu_mlp_is_rewritten(act):
     assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
     for dw, dw_e in zip(dws, dws_e):
         assert rel_err(dw, dw_e) < 10 * tol
-
-
-class CausalLMLoss(torch.nn.Module):
-    """The tail of HF ForCausalLMLoss: upcast, flatten, F.cross_entropy."""
-
-    def __init__(self, reduction: str) -> None:
-        super().__init__()
-        self.reduction = reduction
-
-    def forward(self, logits, labels):
-        logits = logits.float()
-        vocab = logits.shape[-1]
-        return torch.nn.functional.cross_entropy(
-            logits.view(-1, vocab), labels.view(-1), ignore_index=-100, reduction=self.reduction
-        )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -357,22 +306,6 @@ def test_cross_entropy_is_rewritten_with_ignored_labels(reduction, dtype):
     assert grad[0, :3].abs().max() == 0  # ignored rows get no gradient
 
 
-def _rotate_half(x):
-    """transformers' rotate_half, verbatim."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb, verbatim."""
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_hf_rope_is_rewritten_as_one_call_for_q_and_k(unsqueeze_dim):
     b, s, hq, hk, d = 2, 7, 4, 2, 16
@@ -383,7 +316,7 @@ def test_hf_rope_is_rewritten_as_one_call_for_q_and_k(unsqueeze_dim):
     cos, sin = angles.cos(), angles.sin()
 
     def attn_inputs(q, k):
-        q_embed, k_embed = _hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        q_embed, k_embed = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return q_embed * 2, k_embed + 1  # consumers of both outputs
 
     compiled = torch.compile(attn_inputs, backend="fastops_inductor", fullgraph=True)
@@ -401,7 +334,7 @@ def test_lone_rotation_is_left_alone():
     q = torch.randn(1, 2, 5, 8)
     angles = torch.randn(1, 5, 4).repeat(1, 1, 2)
     cos, sin = angles.cos(), angles.sin()
-    compiled = torch.compile(lambda q: q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1),
+    compiled = torch.compile(lambda q: q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1),
                              backend="fastops_inductor", fullgraph=True)  # fmt: skip
-    assert rel_err(compiled(q), q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)) < 1e-6
+    assert rel_err(compiled(q), q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)) < 1e-6
     assert counters["inductor_ext"]["rewrite_rope_hf"] == 0
