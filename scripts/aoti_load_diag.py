@@ -83,11 +83,12 @@ def wrapper_report(package: Path, directory: Path) -> dict:
                 target.write_bytes(archive.read(name))
                 dynamic = shell(["readelf", "-d", str(target)])
                 defined = shell(["nm", "-DC", "--defined-only", str(target)])
+                symbols = defined.splitlines()
+                regex = ("std::__cxx11::basic_regex", "std::__detail::_Compiler")
                 out[name] = {
                     "needed_and_paths": [l.strip() for l in dynamic.splitlines() if "NEEDED" in l or "PATH" in l],
-                    "defined_regex_symbols": sum("std::__cxx11::basic_regex" in l or "std::__detail::_Compiler" in l
-                                                 for l in defined.splitlines()),  # fmt: skip
-                    "defined_locale_symbols": sum("codecvt" in l or "std::locale" in l for l in defined.splitlines()),
+                    "defined_regex_symbols": sum(any(r in l for r in regex) for l in symbols),
+                    "defined_locale_symbols": sum("codecvt" in l or "std::locale" in l for l in symbols),
                 }
     return out
 
