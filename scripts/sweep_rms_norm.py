@@ -59,7 +59,7 @@ def main() -> None:
             for config in search_space(n, forward=False):
                 with force_launch_config(config.to_triton().all_kwargs()):
                     dx, dw = ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
-                    bwd = lambda: ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")  # noqa: E731
+                    bwd = lambda: ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
                     ms = bench_graph_median(bwd)[0]
                 record("bwd", f"{config} per_sm={per_sm}", ms, bwd_bytes, max(_rel(dx, dx_ref), _rel(dw, dw_ref)))
         ops.programs_per_sm = default_per_sm

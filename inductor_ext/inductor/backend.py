@@ -16,7 +16,7 @@ Options: :mod:`inductor_ext.inductor.options`.
 import importlib.metadata
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._dynamo import register_backend
@@ -59,7 +59,7 @@ def fastops_inductor(
     user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = FastopsGraphPass(state, chained=user_pass)
     with route_ops(planner.traces_math):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return cast(Callable[..., Any], compile_fx(gm, example_inputs, config_patches=patches))
 
 
 # When the distribution is installed, Dynamo finds the backend through the

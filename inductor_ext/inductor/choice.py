@@ -15,7 +15,7 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._dynamo.utils import counters
@@ -156,7 +156,10 @@ def _measure_routes(
         def make_inputs(op: Any = op, args: Sequence[Any] = args) -> list[Any]:
             return random_inputs(op, args)
 
-        kernel_ms, _ = median_ms(lambda inputs, direct=direct: direct(*inputs), make_inputs)
+        def run_kernels(inputs: Sequence[Any], direct: Callable[..., Any] = direct) -> Any:
+            return direct(*inputs)
+
+        kernel_ms, _ = median_ms(run_kernels, make_inputs)
         compiled = compile_math(DECOMPOSITIONS[op], args, options)
         inductor_ms, _ = median_ms(compiled, make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
@@ -216,5 +219,5 @@ def compile_math(math: Callable[..., Any], args: Sequence[Any], options: Backend
     gm = make_fx(with_tensors)(*tensors)
     # the wrapper language does not change the kernels being timed
     patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}
-    compiled = compile_fx(gm, tensors, config_patches=patches)
+    compiled = cast(Callable[..., Any], compile_fx(gm, tensors, config_patches=patches))
     return lambda inputs: compiled(*[inputs[i] for i in positions])

@@ -14,7 +14,7 @@ reduction dim, a tensor eps, a weight of another shape) leaves the graph unchang
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch._dynamo.utils import counters
@@ -66,13 +66,13 @@ def _value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, Node) else node
 
 
-def _is_call(node: Any, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> bool:
+def _is_call(node: Any, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> TypeGuard[Node]:
     if not isinstance(node, Node):
         return False
     return (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and node.target in methods)
 
 
-def _binary_operands(node: Node, functions: tuple[Any, ...], method: str) -> tuple[Any, Any] | None:
+def _binary_operands(node: Any, functions: tuple[Any, ...], method: str) -> tuple[Any, Any] | None:
     if _is_call(node, functions, (method,)) and len(node.args) == 2 and not node.kwargs:
         return node.args[0], node.args[1]
     return None
@@ -82,7 +82,7 @@ _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
 
 
-def _dtype_cast(node: Any) -> tuple[Node, torch.dtype] | None:
+def _dtype_cast(node: Any) -> tuple[Any, torch.dtype] | None:
     """``t.to(dtype)``, ``t.float()``, ``t.type(dtype)``, ``t.type_as(ref)`` -> (t, dtype)."""
     if not isinstance(node, Node) or node.op != "call_method" or not node.args:
         return None
@@ -95,12 +95,13 @@ def _dtype_cast(node: Any) -> tuple[Node, torch.dtype] | None:
         target = node.args[1]
         if isinstance(target, torch.dtype) or node.target == "type_as":
             return node.args[0], value.dtype
-    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        return node.args[0], node.kwargs["dtype"]
+    dtype = node.kwargs.get("dtype")
+    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"} and isinstance(dtype, torch.dtype):
+        return node.args[0], dtype
     return None
 
 
-def _upcast_source(node: Any) -> Node | None:
+def _upcast_source(node: Any) -> Any:
     """``x`` for ``x.to(float32)``/``x.float()``, or ``node`` itself when it is fp32 already."""
     cast = _dtype_cast(node)
     if cast is not None and cast[1] == torch.float32:
@@ -143,9 +144,9 @@ def _with_value(node: Node) -> Node:
     fake_mode = next(a.fake_mode for a in torch.utils._pytree.tree_leaves(args) if hasattr(a, "fake_mode"))
     with fake_mode:
         if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            value = getattr(args[0], str(node.target))(*args[1:], **kwargs)
         else:
-            value = node.target(*args, **kwargs)
+            value = cast(Callable[..., Any], node.target)(*args, **kwargs)
     node.meta["example_value"] = value
     return node
 
@@ -153,7 +154,7 @@ def _with_value(node: Node) -> Node:
 # ---------------------------------------------------------------- RMSNorm
 
 
-def _rms_core(rsqrt: Node) -> tuple[Node, Node, float] | None:
+def _rms_core(rsqrt: Node) -> tuple[Any, Any, float] | None:
     """``rsqrt(mean(h ** 2, -1, keepdim=True) + eps)`` with ``h`` = x in fp32 -> (h, x, eps)."""
     if not _is_call(rsqrt, (torch.rsqrt,), ("rsqrt",)) or len(rsqrt.args) != 1:
         return None
@@ -181,7 +182,7 @@ def _rms_core(rsqrt: Node) -> tuple[Node, Node, float] | None:
     return h, x, float(eps)
 
 
-def _normalized(node: Any) -> tuple[Node, float] | None:
+def _normalized(node: Any) -> tuple[Any, float] | None:
     """``h * rsqrt(...)`` (either order) -> (x, eps)."""
     operands = _binary_operands(node, _MUL, "mul") if isinstance(node, Node) else None
     if operands is None:
@@ -271,6 +272,8 @@ def _torch_rms_norm(node: Node) -> Node | None:
     names = ("input", "normalized_shape", "weight", "eps")
     bound = dict(zip(names, node.args)) | dict(node.kwargs)
     x, shape, weight, eps = (bound.get(k) for k in names)
+    if not isinstance(x, Node):
+        return None
     xv = _value(x)
     if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or xv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
@@ -293,7 +296,7 @@ def _torch_rms_norm(node: Node) -> Node | None:
 _SUPPORTED_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _glu_activation(node: Any) -> tuple[Node, str] | None:
+def _glu_activation(node: Any) -> tuple[Any, str] | None:
     """``F.silu(a)`` / ``F.gelu(a, approximate=...)`` -> (a, the glu op's activation name)."""
     if _is_call(node, (torch.nn.functional.silu,)) and len(node.args) == 1 and not node.kwargs.get("inplace"):
         return node.args[0], "silu"
@@ -369,7 +372,7 @@ def _cross_entropy(node: Node) -> Node | None:
 # ---------------------------------------------------------------- RoPE
 
 
-def _rotate_half_source(node: Any) -> Node | None:
+def _rotate_half_source(node: Any) -> Any:
     """HF ``rotate_half(x)`` = ``cat((-x[..., h:], x[..., :h]), dim=-1)`` with h = D/2 -> x."""
     if not _is_call(node, (torch.cat,)):
         return None
@@ -381,7 +384,7 @@ def _rotate_half_source(node: Any) -> Node | None:
     if not _is_call(neg, (operator.neg, torch.neg), ("neg",)) or len(neg.args) != 1:
         return None
     second = neg.args[0]
-    halves = []
+    halves: list[tuple[Any, slice]] = []
     for part in (first, second):
         if not _is_call(part, (operator.getitem,)) or not isinstance(part.args[1], tuple) or len(part.args[1]) != 2:
             return None
@@ -397,14 +400,14 @@ def _rotate_half_source(node: Any) -> Node | None:
     return x if (high.start, high.stop, high.step) == (d // 2, None, None) else None
 
 
-def _unsqueezed_table(node: Any) -> tuple[Node, int] | None:
+def _unsqueezed_table(node: Any) -> tuple[Any, int] | None:
     """``table.unsqueeze(d)`` -> (table, d)."""
     if _is_call(node, (torch.unsqueeze,), ("unsqueeze",)) and len(node.args) == 2 and isinstance(node.args[1], int):
         return node.args[0], node.args[1]
     return None
 
 
-def _rotary(node: Node) -> tuple[Node, Node, Node, int, Node] | None:
+def _rotary(node: Node) -> tuple[Any, Any, Any, int, Any] | None:
     """``x * cos.unsqueeze(d) + rotate_half(x) * sin.unsqueeze(d)`` (any operand order)
     -> (x, cos, sin, d, the unsqueezed cos node)."""
     terms = _binary_operands(node, _ADD, "add")

@@ -37,7 +37,7 @@ def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting)
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
     dy = torch.randn(shape, device="cuda", dtype=dtype)
     offset = 1.0 if casting == "gemma" else 0.0
-    kw = dict(eps=1e-6, offset=offset, casting=casting)
+    kw = {"eps": 1e-6, "offset": offset, "casting": casting}
     ref = _grads(lambda x, w: rms_norm_ref(x, w, **kw), x.double(), w.double(), dy.double())
     ours = _grads(lambda x, w: rms_norm(x, w, **kw), x, w, dy)
     compiled = _grads(torch.compile(lambda x, w: rms_norm_ref(x, w, **kw)), x, w, dy)
