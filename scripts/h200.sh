@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # H200 calls (no network there: run from the checkout). Results under $OUT.
 #   bash scripts/h200.sh tests [test files]   GPU tests, one pytest per file (default: all of tests/gpu),
-#                                             each under $PER_FILE_TIMEOUT s (default 240), failures summarised
+#                                             $PARALLEL at a time (default 4), each under $PER_FILE_TIMEOUT s
+#                                             (default 240), failures summarised
 #   bash scripts/h200.sh bench [ops...]       side-by-side benchmarks (default: every op) + quickstart
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -9,13 +10,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export INDUCTOR_EXT_CACHE_DIR=$OUT/cache
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 what=${1:-tests}; shift || true
+run_test_file() {
+  local file=$1 log="$OUT/$(basename "$1" .py).log"
+  timeout "${PER_FILE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore --tb=short -rfE "$file" > "$log" 2>&1
+  echo "== $file rc=$?"
+  grep -E "^(FAILED|ERROR) |^E  |[0-9]+ (passed|failed|skipped)" "$log" | tail -12
+}
 if [ "$what" = tests ]; then
+  # files run $PARALLEL at a time (default 4): the tests are compile- and tune-bound and
+  # assert no timings, so sharing the GPU changes only which configs the tuners pick
   for file in ${*:-tests/gpu/test_*.py}; do
-    log="$OUT/$(basename "$file" .py).log"
-    timeout "${PER_FILE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore --tb=short -rfE "$file" > "$log" 2>&1
-    echo "== $file rc=$?"
-    grep -E "^(FAILED|ERROR) |^E  |[0-9]+ (passed|failed)" "$log" | tail -12
+    while [ "$(jobs -rp | wc -l)" -ge "${PARALLEL:-4}" ]; do wait -n; done
+    run_test_file "$file" &
   done
+  wait
 else
   ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import OPS; print(*OPS)")}
   for op in $ops; do
