@@ -23,6 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 from inductor_ext.ops._library import OpFamily
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.glu import glu_family
+from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 from inductor_ext.ops.rope import rope_family
 
@@ -289,6 +290,37 @@ def _torch_rms_norm(node: Node) -> Node | None:
     if not isinstance(eps, (int, float)):
         return None
     return _insert_rows_call(node, rms_norm_family, [x], (weight, float(eps), 0.0, "llama"), x)
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+
+@register_rewrite("layer_norm")
+def _layer_norm(node: Node) -> Node | None:
+    """``F.layer_norm`` / ``torch.layer_norm`` / ``nn.LayerNorm`` over the last dim, parameters of x's dtype."""
+    if not _is_call(node, (torch.nn.functional.layer_norm, torch.layer_norm)):
+        return None
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    if set(bound) - set(names):
+        return None
+    x, shape, weight, bias = (bound.get(k) for k in names[:4])
+    eps = bound.get("eps", 1e-5)
+    if not isinstance(x, Node):
+        return None
+    xv, out = _value(x), _value(node)
+    if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or xv.dtype not in _SUPPORTED_FLOATS:
+        return None
+    if not isinstance(shape, (list, tuple, torch.Size)) or len(shape) != 1 or shape[0] != xv.shape[-1]:
+        return None
+    for param in (weight, bias):
+        if param is not None and (not _is_weight_for(param, x) or _value(param).dtype != xv.dtype):
+            return None
+    if not isinstance(out, torch.Tensor) or out.dtype != xv.dtype:
+        return None
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        return None
+    return _insert_rows_call(node, layer_norm_family, [x], (weight, bias, float(eps)), x)
 
 
 # ---------------------------------------------------------------- SwiGLU / GeGLU

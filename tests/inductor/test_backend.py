@@ -338,3 +338,18 @@ def test_lone_rotation_is_left_alone():
                              backend="fastops_inductor", fullgraph=True)  # fmt: skip
     assert rel_err(compiled(q), q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)) < 1e-6
     assert counters["inductor_ext"]["rewrite_rope_hf"] == 0
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_is_rewritten(affine):
+    module = torch.nn.LayerNorm(48, elementwise_affine=affine)
+    if affine:
+        torch.nn.init.normal_(module.weight, 1.0, 0.1)
+        torch.nn.init.normal_(module.bias, 0.0, 0.1)
+    (y, dx, dws), (y_e, dx_e, dws_e) = _run(module, torch.randn(3, 5, 48))
+    assert counters["inductor_ext"]["rewrite_layer_norm"] == 1
+    assert counters["inductor_ext"]["fastops::layer_norm_bwd->inductor"] == 1
+    tol = OUTPUT[torch.float32]
+    assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
+    for dw, dw_e in zip(dws, dws_e):
+        assert rel_err(dw, dw_e) < reduced_grad(torch.float32, 15)
