@@ -8,7 +8,6 @@ into a ``.pt2`` package with ``aoti_compile_and_package``. Packages run from Pyt
 (:func:`load`) or from C++ with no Python (:mod:`inductor_ext.cpp_runner`).
 """
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,10 +61,8 @@ def export(
             f"inductor_ext.export: {type(model).__name__} cannot be exported as one graph "
             f"({type(error).__name__}); torch.export says:\n{error}"
         ) from error
-    ours, inductor_options = parse_options(options)
+    ours, inductor_options = parse_options(options, default_multi_kernel=None)
     patches = {**inductor_options, **ours.inductor_patches()}
-    if "fastops.multi_kernel" not in (options or {}) and "INDUCTOR_EXT_MULTI_KERNEL" not in os.environ:
-        patches.pop("triton.multi_kernel", None)
     patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(program.graph_module)

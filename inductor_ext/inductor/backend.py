@@ -51,8 +51,6 @@ def fastops_inductor(
     # torch.compile passes mode only when it is neither None nor "default";
     # list_mode_options(None) would return every mode's options.
     patches = {**(list_mode_options(mode) if mode else {}), **inductor_options, **ours.inductor_patches()}
-    if patches.get("cpp_wrapper", inductor_config.cpp_wrapper):
-        patches["triton.autotune_at_compile_time"] = True
     state = json.dumps(
         {"options": repr(ours), "decisions": sorted(repr(d) for d in planner.decisions.values())}, sort_keys=True
     )

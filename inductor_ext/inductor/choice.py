@@ -24,7 +24,7 @@ from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.timing import median_ms, meta_like, signature
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, OpFamily
+from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, FAMILY_OF, OpFamily
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,9 @@ class RouteDecision:
     route: str
     """``"kernel"`` or ``"inductor"``."""
     reason: str
-    """``"option"``, ``"cpu"``, ``"measured"`` or ``"database"``."""
+    """``"cpu"``, ``"measured"`` or ``"database"``."""
     kernel_ms: float | None = None
     inductor_ms: float | None = None
-
-
-def _family_name(qualname: str) -> str:
-    return qualname.split("::")[-1].removesuffix("_fwd").removesuffix("_bwd")
 
 
 def route_key(fwd_name: str, sig: str, device_name: str) -> str:
@@ -89,7 +85,7 @@ class RoutePlanner:
 
     def traces_math(self, qualname: str, args: Sequence[Any]) -> bool:
         """Asked by each fastops op body while the graph is traced: True for the Inductor route."""
-        route = self.options.route_for(_family_name(qualname))
+        route = self.options.route_for(FAMILY_OF[qualname])
         if args[0].device.type != "cuda":
             route = "inductor"  # the only route off the GPU
         elif route == "auto":

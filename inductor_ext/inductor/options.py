@@ -57,8 +57,16 @@ class BackendOptions:
         return patches
 
 
-def parse_options(options: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> tuple[BackendOptions, dict[str, Any]]:
-    """Split ``torch.compile``'s ``options`` into ours and Inductor config patches."""
+def parse_options(
+    options: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ, *, default_multi_kernel: int | None = 1
+) -> tuple[BackendOptions, dict[str, Any]]:
+    """Split ``torch.compile``'s ``options`` into ours and Inductor config patches.
+
+    ``default_multi_kernel`` applies when neither an option nor the environment sets it
+    (None: leave Inductor's setting, as exports do).
+    """
+    from torch._inductor import config as inductor_config
+
     options = dict(options or {})
     ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if k.startswith(_PREFIX)}
     unknown = set(ours) - {"route", "multi_kernel", "patterns"}
@@ -74,10 +82,11 @@ def parse_options(options: Mapping[str, Any] | None, env: Mapping[str, str] = os
     elif "triton.multi_kernel" in options or "TORCHINDUCTOR_MULTI_KERNEL" in env:
         multi_kernel = None
     else:
-        multi_kernel = int(env.get("INDUCTOR_EXT_MULTI_KERNEL", "1"))
+        multi_kernel = int(env["INDUCTOR_EXT_MULTI_KERNEL"]) if "INDUCTOR_EXT_MULTI_KERNEL" in env else default_multi_kernel
 
     patterns = ours.get("patterns", _env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
-    cpp_wrapper = bool(options.pop("cpp_wrapper", _env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", False)))
+    # a process-wide torch._inductor.config.cpp_wrapper counts too (it needs compile-time autotuning as well)
+    cpp_wrapper = bool(options.pop("cpp_wrapper", _env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper)))
     parsed = BackendOptions(default_route, routes, multi_kernel, bool(patterns), cpp_wrapper)
     return parsed, options
 

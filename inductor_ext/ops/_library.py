@@ -41,6 +41,9 @@ DECOMPOSITIONS: dict[OpOverload, Callable[..., Any]] = {}
 FAMILIES: dict[OpOverload, "OpFamily"] = {}
 """Forward op overload -> its family, for the backend (which finds forward ops in graphs)."""
 
+FAMILY_OF: dict[str, str] = {}
+"""Op qualname (``fastops::rms_norm_bwd``) -> its family's name (``rms_norm``), for per-family options."""
+
 MathRoute = Callable[[str, Sequence[Any]], bool]
 """``(op qualname, args) -> True`` to trace an op's aten math instead of its Triton kernels."""
 
@@ -269,6 +272,7 @@ def define_op_family(
     tensor_args = tuple(i for i, a in enumerate(fwd_op._schema.arguments) if _is_tensor_type(a.type))
     family = OpFamily(name, fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args, _run_bwd_direct, setup_context, backward)
     FAMILIES[fwd_op] = family
+    FAMILY_OF.update(dict.fromkeys((fwd_op._name, bwd_op._name), name))
     return family
 
 
@@ -312,14 +316,16 @@ class MutatingOp:
 
 
 def define_mutating_op(
-    name: str, *, math: Callable[..., Any], kernels: Callable[..., Any], mutates: Sequence[str]
+    name: str, *, family: str, math: Callable[..., Any], kernels: Callable[..., Any], mutates: Sequence[str]
 ) -> MutatingOp:
-    """Register ``fastops::{name}`` writing into the arguments named in ``mutates``.
+    """Register ``fastops::{name}`` writing into the arguments named in ``mutates``; ``family``
+    names the op family it belongs to (its per-family options apply to it).
 
     ``math`` and ``kernels`` follow :func:`define_op_family`'s conventions (the annotated
     signature of ``math`` is the schema; the first argument picks the device and path).
     """
     op = _define_op(name, math, kernels, mutates_args=tuple(mutates))
+    FAMILY_OF[op._name] = family
     arguments = op._schema.arguments
     mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
 

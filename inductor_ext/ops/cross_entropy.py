@@ -43,6 +43,7 @@ from inductor_ext.kernels.cross_entropy import (
     cross_entropy_fwd_kernel,
     scale_rows_kernel,
 )
+from inductor_ext.ops._layout import unit_last_stride
 from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -172,10 +173,6 @@ def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, ski
     )  # fmt: skip
 
 
-def _unit_stride_rows(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 # --- functional ops ------------------------------------------------------------------------------
 
 
@@ -209,7 +206,7 @@ def cross_entropy_fwd_kernels(
     reduction: str,
     compute_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    logits, labels = _unit_stride_rows(logits), labels.contiguous()
+    logits, labels = unit_last_stride(logits), labels.contiguous()
     count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
     row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
     dlogits = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
@@ -228,7 +225,7 @@ def cross_entropy_bwd_math(dlogits: Tensor, grad_output: Tensor) -> Tensor:
 
 def cross_entropy_bwd_kernels(launch: Launch, dlogits: Tensor, grad_output: Tensor) -> Tensor:
     out = torch.empty(dlogits.shape, dtype=dlogits.dtype, device=dlogits.device)
-    launch_scale_rows(launch, _unit_stride_rows(dlogits), out, grad_output)
+    launch_scale_rows(launch, unit_last_stride(dlogits), out, grad_output)
     return out
 
 
@@ -306,11 +303,11 @@ def cross_entropy_bwd_inplace_kernels(launch: Launch, dlogits: Tensor, grad_outp
 
 
 _fwd_inplace = define_mutating_op(
-    "cross_entropy_fwd_inplace", math=cross_entropy_fwd_inplace_math, kernels=cross_entropy_fwd_inplace_kernels,
+    "cross_entropy_fwd_inplace", family="cross_entropy", math=cross_entropy_fwd_inplace_math, kernels=cross_entropy_fwd_inplace_kernels,
     mutates=("logits",),
 )  # fmt: skip
 _bwd_inplace = define_mutating_op(
-    "cross_entropy_bwd_inplace", math=cross_entropy_bwd_inplace_math, kernels=cross_entropy_bwd_inplace_kernels,
+    "cross_entropy_bwd_inplace", family="cross_entropy", math=cross_entropy_bwd_inplace_math, kernels=cross_entropy_bwd_inplace_kernels,
     mutates=("dlogits",),
 )  # fmt: skip
 
@@ -427,7 +424,7 @@ def cross_entropy(
     num_classes = logits.shape[-1]
     logits2d = logits if logits.dim() == 2 else logits.reshape(-1, num_classes)
     labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
-    logits2d = _unit_stride_rows(logits2d)
+    logits2d = unit_last_stride(logits2d)
     if logits.device.type == "cpu" and not torch.compiler.is_compiling():
         check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
     options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction)

@@ -23,6 +23,7 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.glu import ACTIVATIONS, glu_bwd_kernel, glu_fwd_kernel
+from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._library import Launch, define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,10 +82,6 @@ def _grid(n_rows: int, n_cols: int, flat: bool) -> Any:
     return lambda meta: (n_rows * triton.cdiv(n_cols, meta["BLOCK"]),)
 
 
-def _unit_col_stride(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _launch(
     launch: Launch, kernel: Any, shape: tuple[int, int], activation: str, *args: Any, flat: bool, packed: bool
 ) -> None:
@@ -93,7 +90,7 @@ def _launch(
 
 
 def glu_fwd_kernels(launch: Launch, gate: Tensor, up: Tensor, activation: str) -> Tensor:
-    gate, up = _unit_col_stride(gate), _unit_col_stride(up)
+    gate, up = unit_last_stride(gate), unit_last_stride(up)
     M, I = gate.shape
     y = gate.new_empty((M, I))
     flat = _is_flat(I, gate, up)
@@ -103,7 +100,7 @@ def glu_fwd_kernels(launch: Launch, gate: Tensor, up: Tensor, activation: str) -
 
 
 def glu_bwd_kernels(launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    dy, gate, up = _unit_col_stride(dy), _unit_col_stride(gate), _unit_col_stride(up)
+    dy, gate, up = unit_last_stride(dy), unit_last_stride(gate), unit_last_stride(up)
     M, I = gate.shape
     dgate, dup = gate.new_empty((M, I)), gate.new_empty((M, I))
     flat = _is_flat(I, dy, gate, up)
@@ -116,7 +113,7 @@ def glu_bwd_kernels(launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activa
 
 
 def glu_packed_fwd_kernels(launch: Launch, gate_up: Tensor, activation: str) -> Tensor:
-    gate_up = _unit_col_stride(gate_up)
+    gate_up = unit_last_stride(gate_up)
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     y = gate_up.new_empty((M, I))
     _launch(
@@ -127,7 +124,7 @@ def glu_packed_fwd_kernels(launch: Launch, gate_up: Tensor, activation: str) -> 
 
 
 def glu_packed_bwd_kernels(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str) -> Tensor:
-    dy, gate_up = _unit_col_stride(dy), _unit_col_stride(gate_up)
+    dy, gate_up = unit_last_stride(dy), unit_last_stride(gate_up)
     M, I = dy.shape
     dgate_up = gate_up.new_empty((M, 2 * I))
     _launch(
@@ -188,12 +185,6 @@ def _activation_name(fn: str, approximate: str) -> str:
     return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as (M, n) with unit column stride; a view whenever the leading dims allow one."""
-    t2d = t if t.dim() == 2 else (t.flatten(0, -2) if t.dim() > 2 else t.unsqueeze(0))
-    return _unit_col_stride(t2d)
-
-
 def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
     _check_tensor(fn, "gate", gate)
     _check_tensor(fn, "up", up)
@@ -203,7 +194,7 @@ def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
         raise TypeError(f"{fn}: up must have gate's dtype {gate.dtype}, got {up.dtype}")
     if up.device != gate.device:
         raise ValueError(f"{fn}: up is on {up.device} but gate is on {gate.device}; both must be on one device")
-    y = glu_family(_rows(gate), _rows(up), activation)
+    y = glu_family(rows_2d(gate), rows_2d(up), activation)
     return y if gate.dim() == 2 else y.view(gate.shape)
 
 
@@ -211,7 +202,7 @@ def _glu_packed(fn: str, gate_up: Tensor, activation: str) -> Tensor:
     _check_tensor(fn, "gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"{fn}: gate_up's last dimension must be even (gate and up halves), got {gate_up.shape[-1]}")
-    y = glu_packed_family(_rows(gate_up), activation)
+    y = glu_packed_family(rows_2d(gate_up), activation)
     return y if gate_up.dim() == 2 else y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 

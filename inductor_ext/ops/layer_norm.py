@@ -24,6 +24,7 @@ from torch import Tensor
 
 from inductor_ext.kernels.layer_norm import layer_norm_bwd_kernel, layer_norm_fwd_kernel
 from inductor_ext.kernels.norm_config import programs_per_sm
+from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -59,17 +60,12 @@ def layer_norm_bwd_math(
     return dx.to(x.dtype), dw, db
 
 
-def _unit_stride(t: Tensor) -> Tensor:
-    """``t`` itself when its last dim is unit-stride (what the kernels index by), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def layer_norm_fwd_kernels(
     launch: Launch, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    x = _unit_stride(x)
-    weight = None if weight is None else _unit_stride(weight)
-    bias = None if bias is None else _unit_stride(bias)
+    x = unit_last_stride(x)
+    weight = None if weight is None else unit_last_stride(weight)
+    bias = None if bias is None else unit_last_stride(bias)
     M, N = x.shape
     y = x.new_empty((M, N))
     mean = x.new_empty((M,), dtype=torch.float32)
@@ -86,8 +82,8 @@ def layer_norm_fwd_kernels(
 def layer_norm_bwd_kernels(
     launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    x, dy, mean, rstd = _unit_stride(x), _unit_stride(dy), _unit_stride(mean), _unit_stride(rstd)
-    weight = None if weight is None else _unit_stride(weight)
+    x, dy, mean, rstd = unit_last_stride(x), unit_last_stride(dy), unit_last_stride(mean), unit_last_stride(rstd)
+    weight = None if weight is None else unit_last_stride(weight)
     M, N = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw/db partial rows
@@ -174,12 +170,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
         eps: added to the variance.
     """
     _check_inputs(x, weight, bias, eps)
-    # Flatten to 2-D before the autograd boundary (ranks never change between recompiles);
-    # 2-D inputs pass as they are, adding no view nodes to the autograd graph.
-    x2d = x if x.dim() == 2 else (x.flatten(0, -2) if x.dim() > 2 else x.unsqueeze(0))
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    y, _mean, _rstd = layer_norm_family(x2d, weight, bias, float(eps))
+    y, _mean, _rstd = layer_norm_family(rows_2d(x), weight, bias, float(eps))
     return y if x.dim() == 2 else y.view(x.shape)
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -87,8 +88,7 @@ def rms_norm_bwd_kernels(
     launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
 ) -> tuple[Tensor, Tensor]:
     M, N = x.shape
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
+    dy = unit_last_stride(dy)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw partial rows
     partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
@@ -167,12 +167,7 @@ def rms_norm(
             ``LlamaRMSNorm``) or ``"gemma"`` (multiply in fp32, cast to x's dtype once).
     """
     _check_inputs(x, weight, eps, casting)
-    # Flatten to 2-D before the autograd boundary (ranks never change between recompiles);
-    # 2-D inputs pass as they are, adding no view nodes to the autograd graph.
-    x2d = x if x.dim() == 2 else (x.flatten(0, -2) if x.dim() > 2 else x.unsqueeze(0))
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    y, _rstd = rms_norm_family(x2d, weight, float(eps), float(offset), casting)
+    y, _rstd = rms_norm_family(rows_2d(x), weight, float(eps), float(offset), casting)
     return y if x.dim() == 2 else y.view(x.shape)
 
 

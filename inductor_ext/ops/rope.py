@@ -29,6 +29,7 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.rope import MAX_HEAD_DIM, rope_inplace_kernel, rope_kernel
+from inductor_ext.ops._layout import unit_last_stride
 from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,10 +93,6 @@ def rope_bwd_math(
     return _rotate_math(dq_embed, c, s, True, dq_embed.dtype), _rotate_math(dk_embed, c, s, True, dk_embed.dtype)
 
 
-def _unit_last_stride(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _bsh_strides(x: Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a (B, H, S, D) [unsqueeze_dim=1] or (B, S, H, D) [2] tensor."""
     if unsqueeze_dim == 1:
@@ -155,7 +152,7 @@ def _launch(
 def rope_fwd_kernels(
     launch: Launch, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int
 ) -> tuple[Tensor, Tensor]:
-    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    q, k = unit_last_stride(q), unit_last_stride(k)
     dtype = _out_dtype(q, cos)
     q_embed, k_embed = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
     _launch(launch, rope_kernel, q, k, q_embed, k_embed, cos, sin, position_ids, unsqueeze_dim, backward=False)
@@ -171,7 +168,7 @@ def rope_bwd_kernels(
     position_ids: Tensor | None,
     unsqueeze_dim: int,
 ) -> tuple[Tensor, Tensor]:
-    dq_embed, dk_embed = _unit_last_stride(dq_embed), _unit_last_stride(dk_embed)
+    dq_embed, dk_embed = unit_last_stride(dq_embed), unit_last_stride(dk_embed)
     dq, dk = torch.empty_like(dq_embed), torch.empty_like(dk_embed)
     _launch(launch, rope_kernel, dq_embed, dk_embed, dq, dk, cos, sin, position_ids, unsqueeze_dim, backward=True)
     return dq, dk
@@ -226,7 +223,7 @@ def _rope_inplace_kernels(
     launch: Launch, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int
 ) -> None:
     """Rotate in place; a q or k without a unit last stride is rotated in a contiguous copy, copied back."""
-    q_unit, k_unit = _unit_last_stride(q), _unit_last_stride(k)
+    q_unit, k_unit = unit_last_stride(q), unit_last_stride(k)
     _launch(launch, rope_inplace_kernel, q_unit, k_unit, None, None, cos, sin, position_ids, unsqueeze_dim, False)
     for target, rotated in ((q, q_unit), (k, k_unit)):
         if rotated is not target:
@@ -234,7 +231,7 @@ def _rope_inplace_kernels(
 
 
 rope_inplace = define_mutating_op(
-    "rope_inplace", math=_rope_inplace_math, kernels=_rope_inplace_kernels, mutates=("q", "k")
+    "rope_inplace", family="rope", math=_rope_inplace_math, kernels=_rope_inplace_kernels, mutates=("q", "k")
 )
 
 

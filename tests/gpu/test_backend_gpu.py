@@ -8,13 +8,11 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401
 from inductor_ext.inductor import choice
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 transformers = pytest.importorskip("transformers")
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.fixture(autouse=True)

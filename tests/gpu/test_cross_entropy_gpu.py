@@ -9,6 +9,7 @@ from inductor_ext.kernels.cross_entropy import search_space
 from inductor_ext.ops._library import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,9 +22,6 @@ OPTIONS = [
     {"softcap": 30.0},
 ]
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).norm() / ref.norm()).item()
 
 
 def _inputs(shape, dtype):

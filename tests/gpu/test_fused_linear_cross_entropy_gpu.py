@@ -7,15 +7,13 @@ import torch
 
 from inductor_ext.ops.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from tests.gpu.compile_checks import run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 flce = fused_linear_cross_entropy
 NAMES = ("loss", "dhidden", "dweight", "dbias")
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).norm() / ref.norm()).item()
 
 
 def _inputs(n, h, v, dtype, with_bias=False):

@@ -16,6 +16,7 @@ from inductor_ext.ops.glu import (
     swiglu_ref,
 )
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -31,9 +32,6 @@ ACTIVATIONS = {
     ),
 }
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _grads(f, gate, up, dy):

@@ -6,6 +6,7 @@ import torch
 import inductor_ext
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_ref
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -13,9 +14,6 @@ SHAPES = [(4096, 4096), (1000, 8192), (77, 70000), (17, 123), (2, 3, 5, 2048)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-5
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).norm() / ref.norm()).item()
 
 
 def _grads(f, x, w, b, dy):

@@ -6,14 +6,12 @@ import torch
 import inductor_ext
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SHAPES = [(4096, 4096), (1000, 8192), (77, 70000), (17, 123), (2, 3, 5, 2048)]
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref).norm() / ref.norm()).item()
 
 
 def _grads(f, x, w, dy):

@@ -15,6 +15,7 @@ from inductor_ext.ops.rope import (
     apply_rotary_pos_emb_ref,
 )
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,9 +28,6 @@ CASES = [
     (2, 8, 1, 513, 96, 48, 2, "batch"),  # MQA, rotary half of 24 (not a power of two)
 ]
 
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _inputs(batch, hq, hk, seq, dim, rot, unsqueeze_dim, table, dtype):
