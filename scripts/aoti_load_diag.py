@@ -14,10 +14,10 @@ import argparse
 import ctypes.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -30,6 +30,13 @@ y = run(x)
 assert torch.allclose(y, (x * 2).relu() + 1), "wrong result"
 print("ok")
 """
+
+
+START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def mapped_runtimes() -> list[str]:
@@ -96,8 +103,20 @@ def wrapper_report(package: Path, directory: Path) -> dict:
 def load_in_fresh_process(package: Path, device: str, env_extra: dict, preload: str | None = None) -> dict:
     env = {**os.environ, **env_extra}
     args = [sys.executable, "-c", LOAD_AND_RUN, str(package), device] + ([preload] if preload else [])
-    done = subprocess.run(args, capture_output=True, text=True, env=env, check=False, timeout=600)
+    done = subprocess.run(args, capture_output=True, text=True, env=env, check=False, timeout=120)
     return {"returncode": done.returncode, "segfault": done.returncode == -11, "tail": (done.stdout + done.stderr)[-800:]}
+
+
+def run_cpp(package: Path, device: str) -> dict:
+    import torch
+
+    try:
+        from inductor_ext.cpp_runner import build_runner, run_package
+
+        result = run_package(package, [torch.randn(8, 16)], device=device, runner=build_runner())
+        return {"ok": True, "latency_ms": result.latency_ms}
+    except Exception as error:  # noqa: BLE001  (a diagnostic: record whatever happens)
+        return {"ok": False, "error": str(error)[-800:]}
 
 
 def main() -> None:
@@ -114,29 +133,35 @@ def main() -> None:
         "ldconfig_libstdcxx": ldconfig, "process_runtimes_after_import_torch": mapped_runtimes(),
         "find_library_stdcxx": system_stdcxx,
     }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every step: a run cut short still leaves its evidence
+        (args.out / "aoti_load_diag.json").write_text(json.dumps(report, indent=1))
+
+    save()
     system_path = next((l.split("=>")[-1].strip() for l in ldconfig if "x86-64" in l or "x86_64" in l), None)
     work = Path(tempfile.mkdtemp())
     variants = {"default": {}, "link_stdcxx": {"aot_inductor.custom_op_libs": ["stdc++"]}}
     for name, patches in variants.items():
         directory = work / name
         directory.mkdir()
+        progress(f"{name}: exporting")
         package, commands = export_trivial(args.device, directory, patches)
+        progress(f"{name}: exported; loading in fresh processes")
         report[f"{name}_link_commands"] = [c for c in commands if " -shared" in c or " -o " in c]
         report[f"{name}_wrapper"] = wrapper_report(package, directory)
         report[f"{name}_load_plain"] = load_in_fresh_process(package, args.device, {})
+        save()
+        if name == "default":  # the C++ runner before the second variant: the more telling result
+            progress("C++ runner")
+            report["cpp_runner"] = run_cpp(package, args.device)
+            save()
         if system_path:
             report[f"{name}_load_ld_preload"] = load_in_fresh_process(package, args.device, {"LD_PRELOAD": system_path})
             report[f"{name}_load_ctypes_preload"] = load_in_fresh_process(package, args.device, {}, preload=system_path)
-        shutil.copy(package, args.out / f"trivial_{name}.pt2") if args.out.is_dir() else None
-    try:
-        from inductor_ext.cpp_runner import build_runner, run_package
-
-        result = run_package(work / "default" / "trivial.pt2", [torch.randn(8, 16)], device=args.device, runner=build_runner())
-        report["cpp_runner"] = {"ok": True, "latency_ms": result.latency_ms}
-    except Exception as error:  # noqa: BLE001  (a diagnostic: record whatever happens)
-        report["cpp_runner"] = {"ok": False, "error": str(error)[-800:]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "aoti_load_diag.json").write_text(json.dumps(report, indent=1))
+        save()
+    save()
+    progress("done")
     print(json.dumps(report, indent=1)[-6000:])
 
 

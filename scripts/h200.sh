@@ -2,17 +2,22 @@
 # H200 calls (no network there: run from the checkout). Results under $OUT.
 #   bash scripts/h200.sh tests [test files]   GPU tests, one pytest per file (default: all of tests/gpu),
 #                                             $PARALLEL at a time (default 4), each under $PER_FILE_TIMEOUT s
-#                                             (default 240), failures summarised
+#                                             (default 240; then SIGABRT, so faulthandler prints where it hung), failures summarised
 #   bash scripts/h200.sh bench [ops...]       side-by-side benchmarks (default: every op) + quickstart
+#   bash scripts/h200.sh diag                 AOTInductor load diagnosis (scripts/aoti_load_diag.py)
+# The device returns at most 8 files from $OUT, so everything is written to $LOGS and
+# bundled into $OUT/results.tgz on exit (keep each phase under the call's 600 s).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export INDUCTOR_EXT_CACHE_DIR=$OUT/cache
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+LOGS=${LOGS:-/tmp/h200_logs}; mkdir -p "$LOGS"
+export INDUCTOR_EXT_CACHE_DIR=${INDUCTOR_EXT_CACHE_DIR:-/tmp/h200_cache}
+trap 'cp "$INDUCTOR_EXT_CACHE_DIR"/*.json "$LOGS"/ 2>/dev/null; tar czf "$OUT/results.tgz" -C "$LOGS" . 2>/dev/null' EXIT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
 what=${1:-tests}; shift || true
 run_test_file() {
-  local file=$1 log="$OUT/$(basename "$1" .py).log"
-  timeout "${PER_FILE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore --tb=short -rfE "$file" > "$log" 2>&1
+  local file=$1 log="$LOGS/$(basename "$1" .py).log"
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 20 "${PER_FILE_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -W ignore --tb=short -rfE "$file" > "$log" 2>&1
   echo "== $file rc=$?"
   grep -E "^(FAILED|ERROR) |^E  |[0-9]+ (passed|failed|skipped)" "$log" | tail -12
 }
@@ -24,10 +29,13 @@ if [ "$what" = tests ]; then
     run_test_file "$file" &
   done
   wait
+elif [ "$what" = diag ]; then
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 20 "${DIAG_TIMEOUT:-240}" python3 scripts/aoti_load_diag.py --device cuda --out "$LOGS" > "$LOGS/diag.log" 2>&1
+  echo "== diag rc=$?"; tail -c 5000 "$LOGS/diag.log"
 else
   ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import OPS; print(*OPS)")}
   for op in $ops; do
-    python3 -m inductor_ext.bench "$op" --out "$OUT" 2>&1 | tee "$OUT/bench_$op.log" | grep -v Warning | tail -40
+    python3 -m inductor_ext.bench "$op" --out "$LOGS" 2>&1 | tee "$LOGS/bench_$op.log" | grep -v Warning | tail -40
   done
-  python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart.log" | tail -15
+  python3 examples/quickstart.py 2>&1 | tee "$LOGS/quickstart.log" | tail -15
 fi

@@ -98,7 +98,29 @@ class TraceableLaunch:
     """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel."""
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        wrap_triton(kernel)[grid](*args, **kwargs)
+        wrap_triton(pruned_autotuner(kernel, args, kwargs))[grid](*args, **kwargs)
+
+
+def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``kernel`` with its ``early_config_prune`` already applied to these arguments, keeping
+    ``restore_value`` and ``reset_to_zero``.
+
+    torch's tracing of Triton kernels (``torch/_higher_order_ops/triton_kernel_wrap.py``,
+    torch 2.11 to 2.13) applies the pruning itself and re-wraps the kernel as
+    ``autotune(configs=pruned, key=[])``, dropping ``restore_value``. Inductor then
+    benchmarks an in-place kernel on the real buffers without restoring them, and the
+    launch after tuning reads its own output: seen on the H200 as a cross-entropy loss
+    of exactly ``log(V)`` (the logits had become the gradient) and RoPE rotated several
+    times. An autotuner with nothing left to prune passes through that code unchanged.
+    """
+    if not isinstance(kernel, Autotuner) or kernel.early_config_prune is None:
+        return kernel
+    if kernel.perf_model is not None:
+        raise NotImplementedError("pruned_autotuner: kernels with a perf_model are not supported")
+    configs = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **kwargs)
+    return triton.autotune(
+        configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
+    )(kernel.fn)
 
 
 class DirectLaunch:

@@ -17,7 +17,7 @@ Schemas::
 
     logits = hidden_c @ weight.T (+ bias)        cuBLAS, in the inputs' dtype  (C, V)
     loss_c, logits <- dlogits                   the cross-entropy kernel, gradient written in place
-    dhidden_c = dlogits @ weight                 one reduction over V, rounded once
+    dhidden_c = dlogits @ weight                 one reduction over V in fp32, rounded once
     dweight  += dlogits.T @ hidden_c             accumulated in an fp32 (V, H) buffer
     dbias    += dlogits.sum(0)                   fp32
 
@@ -85,6 +85,15 @@ def _kernel_chunk_loss(launch: Launch) -> ChunkLoss:
         return row_loss, dlogits
 
     return chunk_loss
+
+
+def _input_grad(dlogits: Tensor, weight: Tensor) -> Tensor:
+    """``dlogits @ weight`` rounded once: 16-bit CUDA inputs get an fp32 cuBLAS output, so no partial
+    sum over V is rounded to 16 bits (torch lets cuBLAS reduce split-K partials in fp16/bf16 by
+    default, and a chunk of few rows over a long V is where it splits K)."""
+    if dlogits.is_cuda and dlogits.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(dlogits, weight, out_dtype=torch.float32).to(dlogits.dtype)
+    return dlogits @ weight
 
 
 _addmm_fp32_out_works: bool | None = None
@@ -160,7 +169,7 @@ def _chunked_loss_and_grads(
         if dlogits is None:
             continue
         if need_dx:
-            dx_chunks.append(dlogits @ weight)
+            dx_chunks.append(_input_grad(dlogits, weight))
         if need_dw:
             dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c, in_place)
         if need_db:
