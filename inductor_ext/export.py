@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.cxx_runtime import promote_cxx_runtime
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
@@ -73,8 +74,13 @@ def export(
 
 
 def load(path: str | Path) -> Any:
-    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``)."""
+    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``).
+
+    The process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`):
+    packages whose wrapper carries a static libstdc++ then load instead of crashing.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
+    promote_cxx_runtime()
     return torch._inductor.aoti_load_package(str(path))

@@ -149,3 +149,25 @@ def test_dynamic_batch_package(model, tmp_path):
         out = runner(xb)
         assert out.shape == (b, 8, HIDDEN)
         assert rel_err(out, _eager(model, xb)) < FP32_TOL
+
+
+PROMOTION_CHECK = textwrap.dedent(
+    """
+    import ctypes, torch
+    from inductor_ext.cxx_runtime import loaded_cxx_runtimes, promote_cxx_runtime
+    symbol = "_ZNSt6locale7classicEv"  # std::locale::classic(), defined only by libstdc++
+    before = hasattr(ctypes.CDLL(None), symbol)
+    paths = promote_cxx_runtime()
+    after = hasattr(ctypes.CDLL(None), symbol)
+    print(len(paths), before, after, loaded_cxx_runtimes() == paths)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_promote_cxx_runtime_makes_the_loaded_libstdcxx_global():
+    """What ``inductor_ext.load`` does before loading a package (the H200 segfault's fix, docs/export.md)."""
+    done = subprocess.run([sys.executable, "-c", PROMOTION_CHECK], capture_output=True, text=True, check=True)
+    count, _before, after, same = done.stdout.split()
+    assert int(count) >= 1  # torch's libraries need libstdc++
+    assert after == "True" and same == "True"  # global now, and no second copy was mapped

@@ -157,6 +157,8 @@ def run_providers(
         gbps = min_bytes / ms / 1e6
         dt = str(dtype).removeprefix("torch.")
         results.append(Result(op, mode, shape, dt, p.name, ms, lo, hi, ms_stream, gbps, gbps / copy_gbps))
+        # one line per measurement as it lands: a run cut short still shows what it measured
+        print(f"{op} {mode} {shape} {p.name}: {ms:.4f} ms, {100 * gbps / copy_gbps:.1f}% of copy", flush=True)
     base = next((r.ms for r in results if r.provider == baseline), float("nan"))
     for r in results:
         r.speedup_vs_compile = base / r.ms
