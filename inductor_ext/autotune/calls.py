@@ -7,7 +7,7 @@ each backward is tuned with its forward::
       args: [{shape: [8192, 4096], dtype: bfloat16}, {shape: [4096], dtype: bfloat16}, 1.0e-6, 0.0, llama]
     - op: cross_entropy_fwd
       args: [{shape: [8192, 128256], dtype: bfloat16}, {shape: [8192], dtype: int64},
-             -100, 0.0, 0.0, 0.0, mean, true]
+             -100, 0.0, 0.0, 0.0, mean]
 
 ``args`` follow the op's schema (``torch.ops.fastops.<op>.default._schema``): a tensor
 is ``{shape, dtype}``, an optional tensor may be ``null``, scalars are written as

@@ -7,9 +7,9 @@ Dynamo hands it each graph, the backend applies the ``fastops_inductor`` rewrite
 forward op call with its arguments' shapes and dtypes. The captured graphs then run
 on meta tensors, which computes nothing. Calls are deduplicated by (op, signature).
 
-Tracing runs with autograd on by default (the shapes of a training step: ops whose
-signature depends on it, like cross-entropy's ``compute_grad``, then match what the
-backend sees when compiling a training step); ``grad=False`` gives inference calls.
+Tracing runs with autograd on by default (the calls of a training step: ops whose
+signature depends on it, like fused linear cross-entropy's ``grad_*`` flags, then match
+what the backend sees when compiling a training step); ``grad=False`` gives inference calls.
 """
 
 import importlib

@@ -10,6 +10,7 @@ Outputs are checked against a float32 copy of the model.
 """
 
 import argparse
+import functools
 import json
 import time
 import zipfile
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for name, fn in providers.items():
             out = fn(x)
-            ms, p20, p80 = do_bench_median(lambda fn=fn: fn(x))
+            ms, p20, p80 = do_bench_median(functools.partial(fn, x))
             report["providers"][name] = {"ms": ms, "p20": p20, "p80": p80, "rel_err_vs_fp32": rel_err(out, ref)}
         cpp = run_package(package, [x], device="cuda", iters=50)
         report["providers"]["cpp_runner"] = {"ms": cpp.latency_ms, "rel_err_vs_fp32": rel_err(cpp.outputs[0].cuda(), ref)}

@@ -56,6 +56,8 @@ class LlamaStyleDecoder(nn.Module):
         inv_freq = rope_theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
+        self.cos: Tensor
+        self.sin: Tensor
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 

@@ -389,8 +389,7 @@ def _cross_entropy(node: Node) -> Node | None:
     upcast = _dtype_cast(logits)
     if upcast is not None and upcast[1] == torch.float32 and _value(upcast[0]).dtype in _SUPPORTED_FLOATS:
         logits = upcast[0]  # the op reads 16-bit logits and computes in fp32
-    compute_grad = out.requires_grad  # Dynamo's example value: grad mode on and logits requiring grad
-    args = (int(ignore_index), float(smoothing), 0.0, 0.0, reduction, compute_grad)
+    args = (int(ignore_index), float(smoothing), 0.0, 0.0, reduction)
     graph: Graph = node.graph
     with graph.inserting_before(node):
         rows = logits if _value(logits).stride(-1) == 1 else _with_value(graph.call_method("contiguous", (logits,)))

@@ -8,14 +8,18 @@ Forward, for each row ``x`` of ``(N, V)`` logits with label ``y`` (all math in f
                                          eps = label_smoothing, s = lse_square_scale (z-loss)
     dz_j = exp(z_j - lse) * (1 + 2 * s * lse) - eps / V - (1 - eps) * [j == y]
     dx_j = dz_j * (1 - (z_j / cap)**2)   softcap > 0 (else dx = dz)
-    dx  *= grad_scale                    1 / (count of non-ignored labels) for reduction="mean"
+    dx  *= grad_scale                    grad_output, times 1 / (non-ignored count) for "mean"
 
-The forward writes ``loss`` (fp32, per row) and ``dx`` (logits' dtype): the gradient
-of the loss is computed while the logits are read, so the backward only scales
-it by ``grad_output`` (:func:`scale_rows_kernel`). Rows whose label is
-``ignore_index`` get ``loss = 0`` and ``dx = 0``. A label outside ``[0, V)``
-(other than ``ignore_index``) is never used as an address: its row gets
-``loss = NaN`` and the gradient without the target term.
+:func:`cross_entropy_fwd_kernel` writes ``loss`` (fp32, per row) and, as asked,
+``lse`` (fp32, per row) and/or ``dx`` (logits' dtype). The cross-entropy op stores
+``lse`` and leaves the gradient to :func:`cross_entropy_bwd_kernel`, which knows
+``grad_output`` and reads each row once more: three passes over the logits in all
+(read, read, write), each gradient rounded once. Fused linear cross-entropy, whose
+chunk logits are its own buffers, has the forward write ``dx`` over them
+(:func:`cross_entropy_fwd_inplace_kernel`). Rows whose label is ``ignore_index``
+get ``loss = 0`` and ``dx = 0``. A label outside ``[0, V)`` (other than
+``ignore_index``) is never used as an address: its row gets ``loss = NaN`` and the
+gradient without the target term.
 
 Two strategies, chosen by autotuning among :func:`search_space`:
 
@@ -27,9 +31,8 @@ Two strategies, chosen by autotuning among :func:`search_space`:
   ``e`` is added), then combines the lanes. Pass 2 re-reads the row (mostly from
   L2) and writes the gradient. Any V (tested to 262144).
 
-One program per row. :func:`cross_entropy_fwd_kernel` writes the gradient to its
-own buffer; :func:`cross_entropy_fwd_inplace_kernel` writes it over the logits
-(``restore_value`` keeps autotuning from feeding it its own output).
+One program per row in the forward. The backward has no reduction left: a 2-D grid
+of (row, ``BLOCK_V`` chunk) programs (:func:`bwd_search_space`).
 """
 
 import dataclasses
@@ -139,11 +142,11 @@ def _grad(z, t, cols, label, lse, z_coef, smooth_each, target_weight, scale, HAS
 
 @triton.jit
 def _cross_entropy_row(
-    LOGITS, DLOGITS, LOSS, LABELS, GRAD_SCALE,
+    LOGITS, DLOGITS, LOSS, LSE, LABELS, GRAD_SCALE,
     row, stride_logits, stride_dlogits, stride_scale, V,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_GRAD_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, STORE_LSE: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """Loss (and gradient) of one row; see the module docstring for the math.
 
@@ -157,6 +160,8 @@ def _cross_entropy_row(
     label = tl.load(LABELS + row).to(tl.int64)
     if label == ignore_index:
         tl.store(LOSS + row, 0.0)
+        if STORE_LSE:
+            tl.store(LSE + row, 0.0)
         if COMPUTE_GRAD:
             dx_row = DLOGITS + tl.cast(row, tl.int64) * stride_dlogits
             for start in range(0, V, BLOCK_V):
@@ -204,6 +209,8 @@ def _cross_entropy_row(
         if HAS_SMOOTHING:
             loss -= label_smoothing / V * z_sum
         tl.store(LOSS + row, tl.where(in_range, loss, float("nan")))
+        if STORE_LSE:
+            tl.store(LSE + row, lse)
         if COMPUTE_GRAD:
             dx_row = DLOGITS + tl.cast(row, tl.int64) * stride_dlogits
             scale = 1.0
@@ -229,18 +236,18 @@ def _cross_entropy_row(
 @triton.autotune(configs=_all_configs(), key=["V"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def cross_entropy_fwd_kernel(
-    LOGITS, DLOGITS, LOSS, LABELS, GRAD_SCALE,
+    LOGITS, DLOGITS, LOSS, LSE, LABELS, GRAD_SCALE,
     stride_logits, stride_dlogits, stride_scale, V,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_GRAD_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, STORE_LSE: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """One program per row: LOSS[row] and (COMPUTE_GRAD) DLOGITS[row, :] from LOGITS[row, :]."""
+    """One program per row: LOSS[row], (STORE_LSE) LSE[row] and (COMPUTE_GRAD) DLOGITS[row, :] from LOGITS[row, :]."""
     _cross_entropy_row(
-        LOGITS, DLOGITS, LOSS, LABELS, GRAD_SCALE,
+        LOGITS, DLOGITS, LOSS, LSE, LABELS, GRAD_SCALE,
         tl.program_id(0), stride_logits, stride_dlogits, stride_scale, V,
         ignore_index, label_smoothing, lse_square_scale, softcap,
-        HAS_GRAD_SCALE, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_GRAD, PERSISTENT, BLOCK_V,
+        HAS_GRAD_SCALE, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_GRAD, STORE_LSE, PERSISTENT, BLOCK_V,
     )  # fmt: skip
 
 
@@ -261,11 +268,72 @@ def cross_entropy_fwd_inplace_kernel(
     target logit is read first, so the row can be its own output.
     """
     _cross_entropy_row(
-        LOGITS, LOGITS, LOSS, LABELS, GRAD_SCALE,
+        LOGITS, LOGITS, LOSS, None, LABELS, GRAD_SCALE,
         tl.program_id(0), stride_logits, stride_logits, stride_scale, V,
         ignore_index, label_smoothing, lse_square_scale, softcap,
-        HAS_GRAD_SCALE, HAS_SMOOTHING, HAS_SOFTCAP, True, PERSISTENT, BLOCK_V,
+        HAS_GRAD_SCALE, HAS_SMOOTHING, HAS_SOFTCAP, True, False, PERSISTENT, BLOCK_V,
     )  # fmt: skip
+
+
+BWD_CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+"""(BLOCK_V, num_warps) of the backward: 8-16 fp32 values per thread."""
+
+
+def bwd_search_space(v: int) -> list[triton.Config]:
+    """Backward configs for rows of ``v`` classes: chunks no wider than the row (1024 at least)."""
+    widest = max(1024, triton.next_power_of_2(max(v, 1)))
+    return [triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in BWD_CONFIGS if b <= widest]
+
+
+def _bwd_prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    valid = {(c.kwargs["BLOCK_V"], c.num_warps) for c in bwd_search_space(named_args["V"])}
+    return [c for c in configs if (c.kwargs["BLOCK_V"], c.num_warps) in valid]
+
+
+@triton.jit
+def _cross_entropy_bwd(
+    LOGITS, DLOGITS, LSE, LABELS, GRAD_SCALE,
+    stride_logits, stride_dlogits, stride_scale, V,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk): DLOGITS[row, chunk] = dx (module docstring) from LOGITS, LSE[row] and
+    GRAD_SCALE[row * stride_scale] (stride 0: one scalar); zeros for an ignored row, which reads no logits.
+
+    Each element is read before the same thread writes it, so DLOGITS may be LOGITS.
+    """
+    label_smoothing = tl.cast(label_smoothing, tl.float32)  # Inductor may pass Python floats as fp64
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    dx_row = DLOGITS + row * stride_dlogits
+    label = tl.load(LABELS + row).to(tl.int64)
+    if label == ignore_index:
+        tl.store(dx_row + cols, tl.zeros([BLOCK_V], tl.float32).to(DLOGITS.dtype.element_ty), mask=mask)
+    else:
+        in_range = (label >= 0) & (label < V)
+        lse = tl.load(LSE + row)
+        scale = tl.load(GRAD_SCALE + row * stride_scale).to(tl.float32)
+        x = tl.load(LOGITS + row * stride_logits + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        z, t = _softcap(x.to(tl.float32), softcap, HAS_SOFTCAP)
+        z_coef = 1.0 + 2.0 * lse_square_scale * lse
+        target_weight = tl.where(in_range, 1.0 - label_smoothing, 0.0)
+        g = _grad(z, t, cols, label, lse, z_coef, label_smoothing / V, target_weight, scale, HAS_SOFTCAP)
+        tl.store(dx_row + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+_BWD_AUTOTUNE = {
+    "configs": bwd_search_space(2**20),
+    "key": ["V"],
+    "prune_configs_by": {"early_config_prune": _bwd_prune},
+}
+cross_entropy_bwd_kernel = triton.autotune(**_BWD_AUTOTUNE)(_cross_entropy_bwd)
+"""Writes the gradient to its own buffer. Grid ``(N, cdiv(V, BLOCK_V))``."""
+
+cross_entropy_bwd_inplace_kernel = triton.autotune(**_BWD_AUTOTUNE, restore_value=["DLOGITS"])(_cross_entropy_bwd)
+"""DLOGITS is LOGITS: the gradient replaces the logits (the autotuner restores them after each timed run)."""
 
 
 @triton.jit

@@ -141,8 +141,9 @@ class DirectLaunch:
         if not isinstance(kernel, Autotuner):
             kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
             return
-        if self.forced_config is not None or _INTERPRET:
-            meta = {**kwargs, **(self.forced_config or self._first_valid_config(kernel, args, kwargs))}
+        forced = self._forced_config_for(kernel)
+        if forced is not None or _INTERPRET:
+            meta = {**kwargs, **(forced or self._first_valid_config(kernel, args, kwargs))}
             kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
             return
         key = self._key(kernel, args, kwargs)
@@ -168,6 +169,15 @@ class DirectLaunch:
             *[a.dtype for a in args if isinstance(a, torch.Tensor)],
         )
 
+    @classmethod
+    def _forced_config_for(cls, kernel: Any) -> dict[str, Any] | None:
+        """:attr:`forced_config` if it sets exactly the meta-parameters ``kernel``'s configs tune (an
+        op's other kernels keep their own configs), else None."""
+        forced = cls.forced_config
+        if forced is None or set(forced) - _LAUNCH_OPTIONS == set(kernel.configs[0].kwargs):
+            return forced
+        return None
+
     @staticmethod
     def _first_valid_config(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         named = {**dict(zip(kernel.arg_names, args)), **kwargs}
@@ -179,10 +189,14 @@ class DirectLaunch:
 
 Launch = TraceableLaunch | DirectLaunch
 
+_LAUNCH_OPTIONS = frozenset({*triton.Config({}).all_kwargs(), "maxnreg"})
+"""Keys of a config's ``all_kwargs()`` that are launch options (``num_warps``, ...), not kernel parameters."""
+
 
 @contextlib.contextmanager
 def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
-    """Make eager launches use ``config`` (a Triton config's kwargs, plus ``num_warps``) instead of tuning."""
+    """Make eager launches use ``config`` (a Triton config's kwargs, plus ``num_warps``) instead of tuning,
+    for the kernels that take its parameters (the op's other kernels launch as usual)."""
     previous = DirectLaunch.forced_config
     DirectLaunch.forced_config = config
     try:

@@ -3,27 +3,27 @@
 Schemas::
 
     fastops::cross_entropy_fwd(Tensor logits, Tensor labels, int ignore_index, float label_smoothing,
-                               float lse_square_scale, float softcap, str reduction, bool compute_grad)
-        -> (Tensor loss, Tensor dlogits)
-    fastops::cross_entropy_bwd(Tensor dlogits, Tensor grad_output) -> Tensor
-    fastops::cross_entropy_fwd_inplace(Tensor(a!) logits, Tensor labels, int ignore_index,
-                                       float label_smoothing, float lse_square_scale, float softcap,
-                                       str reduction) -> Tensor loss
-    fastops::cross_entropy_bwd_inplace(Tensor(a!) dlogits, Tensor grad_output) -> ()
+                               float lse_square_scale, float softcap, str reduction)
+        -> (Tensor loss, Tensor lse)
+    fastops::cross_entropy_bwd(Tensor grad_output, Tensor logits, Tensor labels, Tensor lse,
+                               int ignore_index, float label_smoothing, float lse_square_scale,
+                               float softcap, str reduction) -> Tensor dlogits
+    fastops::cross_entropy_bwd_inplace(Tensor grad_output, Tensor(a!) logits, Tensor labels, Tensor lse,
+                                       int ignore_index, float label_smoothing, float lse_square_scale,
+                                       float softcap, str reduction) -> ()
 
 ``logits`` is 2-D ``(N, V)`` with unit stride along V, ``labels`` is ``(N,)`` int64
 or int32. ``loss`` is fp32: a 0-dim tensor for ``reduction="mean"``/``"sum"``, ``(N,)``
-for ``"none"``. ``softcap = 0`` means no soft-capping. The forward computes the
-gradient of the (reduced) loss while it reads the logits (see
-:mod:`inductor_ext.kernels.cross_entropy`): ``dlogits`` has the logits' dtype, or
-shape ``(0,)`` when ``compute_grad`` is false. The backward only multiplies it by
-``grad_output`` (a scalar, or one value per row for ``"none"``) in fp32.
+for ``"none"``; ``lse`` is each row's fp32 log-sum-exp. ``softcap = 0`` means no
+soft-capping. The forward reads the logits once (see
+:mod:`inductor_ext.kernels.cross_entropy`); the backward reads them once more and
+writes the gradient of ``grad_output * loss``, scaled and rounded once: three passes
+over ``N x V`` in all, whatever ``grad_output`` is.
 
-The ``_inplace`` pair is the ``inplace_backward=True`` path: the forward writes the
-gradient over the logits, the backward scales that buffer in place, touching no
-memory when ``grad_output`` is exactly 1 (checked on the device). PyTorch cannot
-register autograd on ops that mutate inputs, so this pair is wired by a Python
-``autograd.Function`` (:class:`_CrossEntropyInplace`), which Dynamo traces.
+``cross_entropy_bwd_inplace`` is the ``inplace_backward=True`` path: the gradient
+replaces the logits (no second ``N x V`` buffer). PyTorch cannot register autograd on
+ops that mutate inputs, so it is wired by a Python ``autograd.Function``
+(:class:`_CrossEntropyInplace`), which Dynamo traces.
 
 The mean divides by the number of labels that are not ``ignore_index``, counted on
 the device. When every label is ignored that count is 0 and, as in
@@ -39,6 +39,8 @@ from torch import Tensor
 
 from inductor_ext.kernels.cross_entropy import (
     SCALE_BLOCK,
+    cross_entropy_bwd_inplace_kernel,
+    cross_entropy_bwd_kernel,
     cross_entropy_fwd_inplace_kernel,
     cross_entropy_fwd_kernel,
     scale_rows_kernel,
@@ -78,6 +80,58 @@ def reduce_loss(row_loss: Tensor, count: Tensor, reduction: str) -> Tensor:
     return total if reduction == "sum" else total / count
 
 
+def _capped(logits: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """(z, t): fp32 logits after soft-capping, and ``t = tanh(x / softcap)`` (None without softcap)."""
+    x = logits.float()
+    if softcap > 0:
+        t = torch.tanh(x / softcap)
+        return softcap * t, t
+    return x, None
+
+
+def row_loss_and_lse_math(
+    logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float
+) -> tuple[Tensor, Tensor]:
+    """Aten-only loss per row and log-sum-exp per row (both fp32): the forward kernel's math."""
+    v = logits.shape[-1]
+    z, _t = _capped(logits, softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    ignored = labels == ignore_index
+    in_range = (labels >= 0) & (labels < v)
+    z_y = z.gather(1, torch.where(in_range, labels, 0).long().unsqueeze(1)).squeeze(1)
+    loss = lse - (1.0 - label_smoothing) * z_y + lse_square_scale * lse * lse
+    if label_smoothing > 0:
+        loss = loss - label_smoothing / v * z.sum(-1)
+    loss = torch.where(ignored, 0.0, torch.where(in_range, loss, float("nan")))
+    return loss, torch.where(ignored, 0.0, lse)
+
+
+def grad_from_lse_math(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    grad_scale: Tensor | None,
+) -> Tensor:
+    """Aten-only gradient (logits' dtype, times ``grad_scale``: None, 0-dim or per row): the backward kernel's math."""
+    v = logits.shape[-1]
+    z, t = _capped(logits, softcap)
+    in_range = (labels >= 0) & (labels < v)
+    safe_labels = torch.where(in_range, labels, 0).long()
+    g = torch.exp(z - lse.unsqueeze(1)) * (1.0 + 2.0 * lse_square_scale * lse).unsqueeze(1) - label_smoothing / v
+    is_target = (torch.arange(v, device=logits.device) == safe_labels.unsqueeze(1)) & in_range.unsqueeze(1)
+    g = g - torch.where(is_target, 1.0 - label_smoothing, 0.0)
+    if t is not None:
+        g = g * (1.0 - t * t)
+    if grad_scale is not None:
+        g = g * (grad_scale.float().unsqueeze(-1) if grad_scale.dim() else grad_scale.float())
+    g = torch.where((labels == ignore_index).unsqueeze(1), 0.0, g)
+    return g.to(logits.dtype)
+
+
 def row_loss_and_grad_math(
     logits: Tensor,
     labels: Tensor,
@@ -88,34 +142,10 @@ def row_loss_and_grad_math(
     grad_scale: Tensor | None,
     compute_grad: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Aten-only loss per row (fp32) and gradient (logits' dtype, times ``grad_scale``): the kernels' math."""
-    v = logits.shape[-1]
-    x = logits.float()
-    if softcap > 0:
-        t = torch.tanh(x / softcap)
-        z = softcap * t
-    else:
-        z = x
-    lse = torch.logsumexp(z, dim=-1)
-    ignored = labels == ignore_index
-    in_range = (labels >= 0) & (labels < v)
-    safe_labels = torch.where(in_range, labels, 0).long()
-    z_y = z.gather(1, safe_labels.unsqueeze(1)).squeeze(1)
-    loss = lse - (1.0 - label_smoothing) * z_y + lse_square_scale * lse * lse
-    if label_smoothing > 0:
-        loss = loss - label_smoothing / v * z.sum(-1)
-    loss = torch.where(ignored, 0.0, torch.where(in_range, loss, float("nan")))
-    if not compute_grad:
-        return loss, None
-    g = torch.exp(z - lse.unsqueeze(1)) * (1.0 + 2.0 * lse_square_scale * lse).unsqueeze(1) - label_smoothing / v
-    is_target = (torch.arange(v, device=logits.device) == safe_labels.unsqueeze(1)) & in_range.unsqueeze(1)
-    g = g - torch.where(is_target, 1.0 - label_smoothing, 0.0)
-    if softcap > 0:
-        g = g * (1.0 - t * t)
-    if grad_scale is not None:
-        g = g * (grad_scale.float().unsqueeze(-1) if grad_scale.dim() else grad_scale.float())
-    g = torch.where(ignored.unsqueeze(1), 0.0, g)
-    return loss, g.to(logits.dtype)
+    """Loss per row (fp32) and, if asked, the gradient times ``grad_scale``: one chunk of fused linear cross-entropy."""
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+    loss, lse = row_loss_and_lse_math(logits, labels, *options)
+    return loss, grad_from_lse_math(logits, labels, lse, *options, grad_scale) if compute_grad else None
 
 
 def launch_cross_entropy(
@@ -129,9 +159,11 @@ def launch_cross_entropy(
     lse_square_scale: float,
     softcap: float,
     grad_scale: Tensor | None,
+    lse: Tensor | None = None,
 ) -> None:
-    """Row losses into ``row_loss`` and the gradient into ``dlogits`` (``dlogits is logits``: in place;
-    None: no gradient). ``grad_scale``: None, 0-dim, or one value per row."""
+    """Row losses into ``row_loss``, the gradient into ``dlogits`` (``dlogits is logits``: in place;
+    None: no gradient) and, if given, row log-sum-exps into ``lse``. ``grad_scale``: None, 0-dim,
+    or one value per row."""
     n, v = logits.shape
     scale_stride = grad_scale.stride(0) if grad_scale is not None and grad_scale.dim() else 0
     common = {
@@ -148,9 +180,9 @@ def launch_cross_entropy(
     else:
         launch(
             cross_entropy_fwd_kernel, lambda meta: (n,),
-            logits, dlogits, row_loss, labels, grad_scale,
+            logits, dlogits, row_loss, lse, labels, grad_scale,
             logits.stride(0), 0 if dlogits is None else dlogits.stride(0), scale_stride, *scalars,
-            COMPUTE_GRAD=dlogits is not None, **common,
+            COMPUTE_GRAD=dlogits is not None, STORE_LSE=lse is not None, **common,
         )  # fmt: skip
 
 
@@ -173,7 +205,15 @@ def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, ski
     )  # fmt: skip
 
 
-# --- functional ops ------------------------------------------------------------------------------
+# --- ops ------------------------------------------------------------------------------------------
+
+
+def backward_grad_scale(grad_output: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """What multiplies each row's gradient: ``grad_output`` (0-dim, or per row for ``"none"``), over
+    the non-ignored count for ``"mean"``; fp32."""
+    _count, mean_scale = count_and_grad_scale(labels, ignore_index, reduction)
+    scale = grad_output.float()
+    return scale * mean_scale if mean_scale is not None else scale
 
 
 def cross_entropy_fwd_math(
@@ -184,15 +224,11 @@ def cross_entropy_fwd_math(
     lse_square_scale: float,
     softcap: float,
     reduction: str,
-    compute_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
-    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
-    row_loss, grad = row_loss_and_grad_math(
-        logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale, compute_grad
-    )
-    dlogits = logits.new_empty((0,)) if grad is None else grad
-    return reduce_loss(row_loss, count, reduction), dlogits
+    count = count_non_ignored(labels, ignore_index)
+    row_loss, lse = row_loss_and_lse_math(logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap)
+    return reduce_loss(row_loss, count, reduction), lse
 
 
 def cross_entropy_fwd_kernels(
@@ -204,40 +240,79 @@ def cross_entropy_fwd_kernels(
     lse_square_scale: float,
     softcap: float,
     reduction: str,
-    compute_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     logits, labels = unit_last_stride(logits), labels.contiguous()
-    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
+    count = count_non_ignored(labels, ignore_index)
     row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
-    dlogits = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype, device=logits.device)
+    lse = logits.new_empty(labels.shape, dtype=torch.float32)
     launch_cross_entropy(
-        launch, logits, dlogits if compute_grad else None, row_loss, labels,
-        ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale,
+        launch, logits, None, row_loss, labels,
+        ignore_index, label_smoothing, lse_square_scale, softcap, None, lse,
     )  # fmt: skip
-    return reduce_loss(row_loss, count, reduction), dlogits
+    return reduce_loss(row_loss, count, reduction), lse
 
 
-def cross_entropy_bwd_math(dlogits: Tensor, grad_output: Tensor) -> Tensor:
-    """Aten-only backward: ``dlogits * grad_output`` (per row when ``grad_output`` is 1-D) in fp32."""
-    scale = grad_output.float().unsqueeze(-1) if grad_output.dim() else grad_output.float()
-    return (dlogits.float() * scale).to(dlogits.dtype)
+def cross_entropy_bwd_math(
+    grad_output: Tensor,
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+) -> Tensor:
+    """Aten-only backward: the gradient of ``grad_output * loss`` from the logits and their row log-sum-exps."""
+    scale = backward_grad_scale(grad_output, labels, ignore_index, reduction)
+    return grad_from_lse_math(logits, labels, lse, ignore_index, label_smoothing, lse_square_scale, softcap, scale)
 
 
-def cross_entropy_bwd_kernels(launch: Launch, dlogits: Tensor, grad_output: Tensor) -> Tensor:
-    out = torch.empty(dlogits.shape, dtype=dlogits.dtype, device=dlogits.device)
-    launch_scale_rows(launch, unit_last_stride(dlogits), out, grad_output)
-    return out
+def launch_cross_entropy_bwd(
+    launch: Launch,
+    grad_output: Tensor,
+    logits: Tensor,
+    dlogits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    options: tuple[int, float, float, float, str],
+) -> None:
+    """The backward kernel writing into ``dlogits`` (``dlogits is logits``: in place)."""
+    ignore_index, label_smoothing, lse_square_scale, softcap, reduction = options
+    n, v = logits.shape
+    if n == 0:
+        return
+    scale = backward_grad_scale(grad_output, labels, ignore_index, reduction)
+    kernel = cross_entropy_bwd_inplace_kernel if dlogits is logits else cross_entropy_bwd_kernel
+    launch(
+        kernel, lambda meta: (n, triton.cdiv(v, meta["BLOCK_V"])),
+        logits, dlogits, lse, labels, scale,
+        logits.stride(0), dlogits.stride(0), scale.stride(0) if scale.dim() else 0, v,
+        ignore_index, label_smoothing, lse_square_scale, softcap,
+        HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap > 0,
+    )  # fmt: skip
+
+
+def cross_entropy_bwd_kernels(
+    launch: Launch, grad_output: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, *options: Any
+) -> Tensor:
+    logits, labels = unit_last_stride(logits), labels.contiguous()
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    launch_cross_entropy_bwd(launch, grad_output, logits, dlogits, labels, lse, options)
+    return dlogits
 
 
 def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
-    ctx.save_for_backward(output[1])
+    logits, labels, *options = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.options = tuple(options)
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, _ddlogits: Tensor | None) -> tuple[Tensor | None, ...]:
-    (dlogits,) = ctx.saved_tensors
-    grad = None if dloss is None else bwd(dlogits, dloss)
-    return grad, None, None, None, None, None, None, None
+def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    logits, labels, lse = ctx.saved_tensors
+    grad = None if dloss is None else bwd(dloss, logits, labels, lse, *ctx.options)
+    return grad, None, None, None, None, None, None
 
 
 cross_entropy_family = define_op_family(
@@ -251,85 +326,58 @@ cross_entropy_family = define_op_family(
 )
 
 
-# --- in-place ops (inplace_backward=True) ---------------------------------------------------------
+# --- in-place backward (inplace_backward=True) --------------------------------------------------
 
 
-def cross_entropy_fwd_inplace_math(
+def cross_entropy_bwd_inplace_math(
+    grad_output: Tensor,
     logits: Tensor,
     labels: Tensor,
+    lse: Tensor,
     ignore_index: int,
     label_smoothing: float,
     lse_square_scale: float,
     softcap: float,
     reduction: str,
-) -> Tensor:
-    """Aten-only in-place forward: the loss, and the gradient copied over ``logits``."""
-    loss, grad = cross_entropy_fwd_math(
-        logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap, reduction, True
-    )
-    logits.copy_(grad)
-    return loss
+) -> None:
+    """Aten-only in-place backward: the gradient copied over ``logits``."""
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    logits.copy_(cross_entropy_bwd_math(grad_output, logits, labels, lse, *options))
 
 
-def cross_entropy_fwd_inplace_kernels(
-    launch: Launch,
-    logits: Tensor,
-    labels: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-) -> Tensor:
+def cross_entropy_bwd_inplace_kernels(
+    launch: Launch, grad_output: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, *options: Any
+) -> None:
     if logits.stride(-1) != 1:
-        raise ValueError("cross_entropy_fwd_inplace: logits must have unit stride along the classes")
-    labels = labels.contiguous()
-    count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
-    row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
-    launch_cross_entropy(
-        launch, logits, logits, row_loss, labels,
-        ignore_index, label_smoothing, lse_square_scale, softcap, grad_scale,
-    )  # fmt: skip
-    return reduce_loss(row_loss, count, reduction)
+        raise ValueError("cross_entropy_bwd_inplace: logits must have unit stride along the classes")
+    launch_cross_entropy_bwd(launch, grad_output, logits, logits, labels.contiguous(), lse, options)
 
 
-def cross_entropy_bwd_inplace_math(dlogits: Tensor, grad_output: Tensor) -> None:
-    """Aten-only in-place backward: ``dlogits *= grad_output``."""
-    dlogits.copy_(cross_entropy_bwd_math(dlogits, grad_output))
-
-
-def cross_entropy_bwd_inplace_kernels(launch: Launch, dlogits: Tensor, grad_output: Tensor) -> None:
-    launch_scale_rows(launch, dlogits, dlogits, grad_output, skip_unit_scale=True)
-
-
-_fwd_inplace = define_mutating_op(
-    "cross_entropy_fwd_inplace", family="cross_entropy", math=cross_entropy_fwd_inplace_math, kernels=cross_entropy_fwd_inplace_kernels,
-    mutates=("logits",),
-)  # fmt: skip
 _bwd_inplace = define_mutating_op(
-    "cross_entropy_bwd_inplace", family="cross_entropy", math=cross_entropy_bwd_inplace_math, kernels=cross_entropy_bwd_inplace_kernels,
-    mutates=("dlogits",),
+    "cross_entropy_bwd_inplace", family="cross_entropy", math=cross_entropy_bwd_inplace_math,
+    kernels=cross_entropy_bwd_inplace_kernels, mutates=("logits",),
 )  # fmt: skip
 
 
 class _CrossEntropyInplace(torch.autograd.Function):
-    """Forward overwrites the logits with the gradient; backward scales that buffer in place and returns it.
+    """Forward as the functional op; backward writes the gradient over the saved logits and returns them.
 
     A second backward through the same graph (``retain_graph=True``) raises autograd's
-    "modified by an inplace operation" error instead of returning a twice-scaled gradient.
+    "modified by an inplace operation" error instead of reading a gradient as logits.
     """
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, *options: Any) -> Tensor:
-        loss = _fwd_inplace(logits, labels, *options)
-        ctx.save_for_backward(logits)
+        loss, lse = cross_entropy_family(logits, labels, *options)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.options = options
         return loss
 
     @staticmethod
     def backward(ctx: Any, dloss: Tensor) -> tuple[Tensor | None, ...]:
-        (dlogits,) = ctx.saved_tensors
-        _bwd_inplace(dlogits, dloss)
-        return dlogits, None, None, None, None, None, None
+        logits, labels, lse = ctx.saved_tensors
+        _bwd_inplace(dloss, logits, labels, lse, *ctx.options)
+        return logits, None, None, None, None, None, None
 
 
 # --- public API ----------------------------------------------------------------------------------
@@ -412,9 +460,8 @@ def cross_entropy(
         label_smoothing: as ``F.cross_entropy(label_smoothing=...)``.
         lse_square_scale: z-loss, adds ``lse_square_scale * logsumexp(z)**2`` per non-ignored row.
         softcap: ``z = softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
-        inplace_backward: let the forward overwrite ``logits`` with the gradient (saves one
-            logits-sized buffer; ``logits`` must not be used afterwards), and the backward
-            scale it in place (no memory traffic when ``grad_output`` is 1).
+        inplace_backward: let the backward write the gradient over ``logits`` (saves one
+            logits-sized buffer; ``logits`` hold the gradient after ``backward()``).
 
     Returns:
         The loss in float32 (whatever the logits' dtype), 0-dim unless ``reduction="none"``.
@@ -431,8 +478,7 @@ def cross_entropy(
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         loss = _CrossEntropyInplace.apply(logits2d, labels1d, *options)
     else:
-        compute_grad = torch.is_grad_enabled() and logits.requires_grad
-        loss, _dlogits = cross_entropy_family(logits2d, labels1d, *options, compute_grad)
+        loss, _lse = cross_entropy_family(logits2d, labels1d, *options)
     return loss.view(labels.shape) if reduction == "none" else loss
 
 

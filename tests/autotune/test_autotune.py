@@ -152,7 +152,7 @@ def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
     keys = "\n".join(entries)
     assert "fastops::rms_norm_fwd|(float32[32,64], float32[64], 1e-06, 0.0, 'llama')|cpu" in keys
     assert "fastops::glu_fwd|(float32[32,96], float32[32,96], 'silu')|cpu" in keys
-    assert "fastops::cross_entropy_fwd|(float32[32,97], int64[32], -100, 0.0, 0.0, 0.0, 'mean', True)|cpu" in keys
+    assert "fastops::cross_entropy_fwd|(float32[32,97], int64[32], -100, 0.0, 0.0, 0.0, 'mean')|cpu" in keys
     assert out.count("untuned") == 4
 
     assert main(["show"]) == 0
@@ -179,7 +179,7 @@ def test_calls_file_round_trip(tmp_path, capsys):
     calls = [
         {"op": "rms_norm_fwd", "args": [{"shape": [8192, 4096], "dtype": "bfloat16"}, None, 1e-6, 0.0, "llama"]},
         {"op": "fastops::cross_entropy_fwd", "args": [{"shape": [8192, 128256], "dtype": "bfloat16"},
-                                                      {"shape": [8192], "dtype": "int64"}, -100, 0.0, 0.0, 0.0, "mean", True]},
+                                                      {"shape": [8192], "dtype": "int64"}, -100, 0.0, 0.0, 0.0, "mean"]},
         {"op": "rms_norm_fwd", "args": [{"shape": [8192, 4096], "dtype": "bfloat16"}, None, 1e-6, 0.0, "llama"]},
     ]  # fmt: skip
     path = tmp_path / "calls.json"
@@ -188,7 +188,7 @@ def test_calls_file_round_trip(tmp_path, capsys):
     rms_args = (torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta"), None, 1e-6, 0.0, "llama")
     expected = {
         choice.route_key("fastops::rms_norm_fwd", signature(rms_args), "cpu"),
-        choice.route_key("fastops::cross_entropy_fwd", "(bfloat16[8192,128256], int64[8192], -100, 0.0, 0.0, 0.0, 'mean', True)", "cpu"),
+        choice.route_key("fastops::cross_entropy_fwd", "(bfloat16[8192,128256], int64[8192], -100, 0.0, 0.0, 0.0, 'mean')", "cpu"),
     }
     assert set(_entries()) == expected  # the duplicate call is one entry
     capsys.readouterr()
@@ -298,8 +298,8 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
 def test_random_labels_and_positions_are_realistic():
     logits = torch.empty(4096, 1000, device="meta")
     labels = torch.empty(4096, dtype=torch.int64, device="meta")
-    args = random_inputs(cross_entropy_family.fwd, (logits, labels, -7, 0.0, 0.0, 0.0, "mean", True), "cpu")
-    assert args[0].device.type == "cpu" and args[0].std() > 0.5 and args[2:] == [-7, 0.0, 0.0, 0.0, "mean", True]
+    args = random_inputs(cross_entropy_family.fwd, (logits, labels, -7, 0.0, 0.0, 0.0, "mean"), "cpu")
+    assert args[0].device.type == "cpu" and args[0].std() > 0.5 and args[2:] == [-7, 0.0, 0.0, 0.0, "mean"]
     out = args[1]
     ignored = out == -7
     assert abs(ignored.float().mean().item() - IGNORED_FRACTION) < 0.03

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
-from inductor_ext.kernels.cross_entropy import MAX_PERSISTENT_BLOCK, search_space
+from inductor_ext.kernels.cross_entropy import MAX_PERSISTENT_BLOCK, bwd_search_space, search_space
 from inductor_ext.ops._library import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_family, cross_entropy_ref
 from tests.conftest import DEVICE
@@ -58,6 +58,17 @@ def test_every_config_matches_float64(v):
         with force_launch_config(config.to_triton().all_kwargs()):
             if v <= MAX_PERSISTENT_BLOCK:  # (the interpreter is slow on long rows)
                 _check_against_float64((4, v), torch.float32)
+            _check_against_float64(
+                (3, v), torch.float32, reduction="none", label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0
+            )
+
+
+@pytest.mark.parametrize("v", [123, 5000])
+def test_every_backward_config_matches_float64(v):
+    configs = bwd_search_space(v)
+    assert (len(configs) == 1) == (v <= 1024)
+    for config in configs:
+        with force_launch_config(config.all_kwargs()):
             _check_against_float64(
                 (3, v), torch.float32, reduction="none", label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0
             )
@@ -158,7 +169,8 @@ def test_out_of_range_label_in_the_kernel_gives_nan_loss_and_no_out_of_bounds_re
     logits, labels = _logits_labels((6, 50), torch.float32, ignore_every=0)
     labels[1], labels[4] = 50, -7
     x = logits.clone().requires_grad_()
-    loss, dlogits = cross_entropy_family(x, labels, -100, 0.0, 0.0, 0.0, "none", True)
+    loss, _lse = cross_entropy_family(x, labels, -100, 0.0, 0.0, 0.0, "none")  # the op: no CPU label check
+    (dlogits,) = torch.autograd.grad(loss, x, torch.ones_like(loss))
     assert torch.isnan(loss[[1, 4]]).all() and torch.isfinite(loss[[0, 2, 3, 5]]).all()
     assert torch.isfinite(dlogits).all()
     # the other rows are unaffected
@@ -292,14 +304,12 @@ def test_opcheck_all_ops():
     labels[0] = -100
     for logits, reduction in ((torch.randn(6, 40), "mean"), (torch.randn(6, 80)[:, 5:45], "none")):
         options = (-100, 0.1, 1e-3, 5.0, reduction)
-        x = logits.clone().requires_grad_()
-        torch.library.opcheck(ops.cross_entropy_fwd.default, (x, labels, *options, True))
-        loss, dlogits = ops.cross_entropy_fwd(x.detach(), labels, *options, True)
+        torch.library.opcheck(ops.cross_entropy_fwd.default, (logits.clone().requires_grad_(), labels, *options))
+        torch.library.opcheck(ops.cross_entropy_fwd.default, (logits, labels, *options))
+        loss, lse = ops.cross_entropy_fwd(logits, labels, *options)
         grad_out = torch.rand_like(loss)
-        torch.library.opcheck(ops.cross_entropy_bwd.default, (dlogits, grad_out))
-        torch.library.opcheck(ops.cross_entropy_fwd_inplace.default, (logits.clone(), labels, *options))
-        torch.library.opcheck(ops.cross_entropy_bwd_inplace.default, (dlogits.clone(), grad_out))
-    torch.library.opcheck(ops.cross_entropy_fwd.default, (logits, labels, *options, False))
+        torch.library.opcheck(ops.cross_entropy_bwd.default, (grad_out, logits, labels, lse, *options))
+        torch.library.opcheck(ops.cross_entropy_bwd_inplace.default, (grad_out, logits.clone(), labels, lse, *options))
 
 
 def _profiled_op_names(fn):
