@@ -33,7 +33,7 @@ elif [ "$what" = diag ]; then
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 20 "${DIAG_TIMEOUT:-240}" python3 scripts/aoti_load_diag.py --device cuda --out "$LOGS" > "$LOGS/diag.log" 2>&1
   echo "== diag rc=$?"; tail -c 5000 "$LOGS/diag.log"
 else
-  ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import OPS; print(*OPS)")}
+  ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS; print(*OPS, *MODEL_BENCHES)")}
   for op in $ops; do
     python3 -m inductor_ext.bench "$op" --out "$LOGS" 2>&1 | tee "$LOGS/bench_$op.log" | grep -v Warning | tail -40
   done

@@ -1,4 +1,5 @@
-"""``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``.
+"""``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``, or
+``python -m inductor_ext.bench backend|export [options]`` for the model-level benchmarks.
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
@@ -22,9 +23,16 @@ OPS += ["cross_entropy", "fused_linear_cross_entropy"]
 OPS += ["glu", "rope"]
 
 
+MODEL_BENCHES = {"backend": "inductor_ext.bench.backend", "export": "inductor_ext.bench.export"}
+"""Model-level benchmarks, each with its own ``main(argv)``: ``python -m inductor_ext.bench backend --help``."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in MODEL_BENCHES:
+        return int(importlib.import_module(MODEL_BENCHES[argv[0]]).main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", description=__doc__)
-    parser.add_argument("op", choices=OPS)
+    parser.add_argument("op", choices=OPS, help=f"an op, or {' / '.join(MODEL_BENCHES)} (see their --help)")
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON and PNG")
     parser.add_argument("--shapes", nargs="*", default=None, help="MxN shapes (default: the op's list)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

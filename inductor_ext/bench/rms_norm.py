@@ -1,5 +1,6 @@
 """RMSNorm benchmark: HF eager, torch.compile of it, fastops eager, fastops under torch.compile,
-and the HF spelling under ``backend="fastops_inductor"`` (rewritten, route chosen at compile time).
+and the HF spelling under ``backend="fastops_inductor"`` (rewritten, route chosen at compile time,
+and each route forced).
 
 Minimal bytes (bf16, weight ignored): forward reads x and writes y (2·M·N·s);
 forward+backward adds reading x and dy and writing dx (5·M·N·s). The backward
@@ -61,7 +62,13 @@ def providers(mode: str) -> list[Provider]:
         Provider("fastops_eager", wrap(_ours)),
         Provider("fastops_compile", wrap(torch.compile(_ours, fullgraph=True))),
         Provider("fastops_backend", wrap(torch.compile(_hf, fullgraph=True, backend="fastops_inductor"))),
+        # each route forced: "auto" (above) should land within a few % of the faster one
+        *(Provider(f"fastops_backend_{route}", wrap(_backend_with_route(route))) for route in ("kernel", "inductor")),
     ]
+
+
+def _backend_with_route(route: str) -> Callable[..., torch.Tensor]:
+    return torch.compile(_hf, fullgraph=True, backend="fastops_inductor", options={"fastops.route": route})
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:

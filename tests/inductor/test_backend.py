@@ -353,3 +353,27 @@ def test_layer_norm_is_rewritten(affine):
     assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
     for dw, dw_e in zip(dws, dws_e):
         assert rel_err(dw, dw_e) < reduced_grad(torch.float32, 15)
+
+
+def test_hf_spelled_decoder_stack_is_rewritten_and_matches_the_fastops_spelling():
+    """The model of ``python -m inductor_ext.bench backend``: every norm, RoPE and MLP of the
+    unmodified (HF-spelled) stack becomes a fastops op, and it computes what the fastops spelling does."""
+    from inductor_ext.bench.llama import LlamaStyleDecoder
+
+    config = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 96, "layers": 2, "max_positions": 64}
+    hf = LlamaStyleDecoder(**config, spelling="hf")
+    ours = LlamaStyleDecoder(**config, spelling="fastops")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.uniform_(-0.2, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 16, 64)
+    (y, dx, dparams), (y_ref, dx_ref, dparams_ref) = _run(hf, x)
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 5  # 2 per layer and the final norm
+    assert counters["inductor_ext"]["rewrite_rope_hf"] == 2
+    assert counters["inductor_ext"]["rewrite_glu"] == 2
+    assert rel_err(y, y_ref) < OUTPUT[torch.float32] and rel_err(dx, dx_ref) < OUTPUT[torch.float32]
+    for got, ref in zip(dparams, dparams_ref):
+        assert rel_err(got, ref) < reduced_grad(torch.float32, 32)
+    with torch.no_grad():
+        assert rel_err(ours(x), y_ref) < OUTPUT[torch.float32]

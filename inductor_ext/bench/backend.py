@@ -1,0 +1,88 @@
+"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]``:
+an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
+forward+backward, side by side: eager, ``torch.compile`` default, and
+``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).
+
+Per provider: compile time (the first step, wall clock), GPU time per step from CUDA-graph
+replay (host cost excluded), the stream median (host included), and, for the backend, the
+route each fastops op took. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
+"""
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_ext.bench.harness import bench_graph_median, do_bench_median
+from inductor_ext.bench.llama import LlamaStyleDecoder
+
+ROUTES = ("auto", "kernel", "inductor")
+
+
+def _step(fn: Any, x: torch.Tensor, params: Sequence[torch.Tensor], dy: torch.Tensor) -> Any:
+    return lambda: torch.autograd.grad(fn(x), (x, *params), dy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench backend", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    from tabulate import tabulate
+
+    torch.manual_seed(0)
+    hidden = args.hidden
+    model = LlamaStyleDecoder(
+        hidden=hidden, heads=hidden // 128, kv_heads=max(1, hidden // 512), intermediate=hidden * 7 // 2,
+        layers=args.layers, spelling="hf",
+    ).cuda().to(torch.bfloat16)  # fmt: skip
+    params = list(model.parameters())
+    x = torch.randn(args.batch, args.seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    providers: dict[str, Any] = {"eager": model, "torch_compile": torch.compile(model)}
+    for route in ROUTES:
+        options: dict[str, Any] = {"fastops.route": route}
+        providers[f"fastops_{route}"] = torch.compile(model, backend="fastops_inductor", options=options)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+        "hidden": hidden, "shape": [args.batch, args.seq], "providers": {},
+    }  # fmt: skip
+    for name, fn in providers.items():
+        counters["inductor_ext"].clear()
+        step = _step(fn, x, params, dy)
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - start
+        ms, p20, p80 = bench_graph_median(step)
+        stream_ms, _, _ = do_bench_median(step)
+        routes = {k: v for k, v in counters["inductor_ext"].items() if "->" in k}
+        report["providers"][name] = {"first_step_s": first_s, "ms": ms, "p20": p20, "p80": p80,
+                                     "ms_stream": stream_ms, "routes": routes}  # fmt: skip
+        print(f"{name}: {ms:.3f} ms (graph), {stream_ms:.3f} ms (stream), first step {first_s:.1f} s", flush=True)
+    base = report["providers"]["torch_compile"]
+    rows = [
+        (name, f"{r['ms']:.3f}", f"{base['ms'] / r['ms']:.3f}", f"{r['ms_stream']:.3f}", f"{r['first_step_s']:.1f}",
+         f"{r['first_step_s'] / base['first_step_s']:.2f}")
+        for name, r in report["providers"].items()
+    ]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "backend_llama.json").write_text(json.dumps(report, indent=1))
+    headers = ["provider", "ms (graph)", "vs compile", "ms (stream)", "first step s", "vs compile's"]
+    print(tabulate(rows, headers=headers))
+    print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
