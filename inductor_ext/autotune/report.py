@@ -47,7 +47,10 @@ def entry_rows(items: Iterable[tuple[str, dict[str, Any]]]) -> list[list[str]]:
         kind, _, rest = key.partition("|")
         op, _, rest = rest.partition("|")
         signature, _, device = rest.rpartition("|")
-        if kind != "route":
+        if kind == "config":  # op is the kernel here; the route column shows its launch config
+            config = " ".join(f"{k}={v}" for k, v in record["config"].items() if v is not None)
+            rows.append([op, signature, device, "-", "-", config, "-", "kernel config"])
+        elif kind != "route":
             rows.append([key, "-", "-", "-", "-", "-", "-", str(record)])
         elif record.get("status") == "untuned":
             rows.append(untuned_row(op, signature, device))

@@ -22,9 +22,10 @@ from torch._dynamo.utils import counters
 
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
+from inductor_ext.autotune.kernel_configs import records as kernel_records
 from inductor_ext.autotune.timing import median_ms, meta_like, signature
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, FAMILY_OF, OpFamily
+from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, FAMILY_OF, DirectLaunch, OpFamily
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ def decide_routes(
 ) -> list[RouteDecision]:
     """The route decisions of a forward call and its backward on ``device`` (a GPU): read from
     ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
-    timed), else measured and stored there. The backend and the standalone autotuner
+    timed), else measured and stored there, with the launch config the timing picked for each
+    of our kernels (:mod:`inductor_ext.autotune.kernel_configs`: traced launches then offer
+    Inductor that config alone). The backend and the standalone autotuner
     (``python -m inductor_ext.autotune``) both decide through here.
     """
     key = route_key(family.fwd._name, signature(args), device_name(device))
@@ -117,8 +120,9 @@ def decide_routes(
     if stored is not None:
         return [dataclasses.replace(RouteDecision(**entry), reason="database") for entry in stored["decisions"]]
     decisions = measure_routes(family, args, options, device)
-    if database is not None:
-        database.put(key, {"decisions": [dataclasses.asdict(d) for d in decisions]})
+    if database is not None:  # with every kernel config picked so far in this process (the timing's included)
+        configs = kernel_records(DirectLaunch._tuned, device_name(device))
+        database.update({key: {"decisions": [dataclasses.asdict(d) for d in decisions]}, **configs})
     return decisions
 
 

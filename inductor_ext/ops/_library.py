@@ -33,6 +33,9 @@ from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
 from triton.runtime.autotuner import Autotuner
 
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.autotune.kernel_configs import LAUNCH_OPTIONS, LaunchSignature, device_name_of, stored_config
+
 NAMESPACE = "fastops"
 
 DECOMPOSITIONS: dict[OpOverload, Callable[..., Any]] = {}
@@ -95,15 +98,22 @@ def grid_stride_programs(device: torch.device, per_sm: int) -> int:
 
 
 class TraceableLaunch:
-    """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel."""
+    """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel.
+
+    A config recorded in the tuning database for this launch (:mod:`inductor_ext.autotune.kernel_configs`)
+    is the only one the traced kernel offers, so Inductor emits it and benchmarks nothing.
+    """
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        wrap_triton(pruned_autotuner(kernel, args, kwargs))[grid](*args, **kwargs)
+        device = device_name_of(args) if isinstance(kernel, Autotuner) else None
+        stored = stored_config(TuningDatabase(), kernel, args, kwargs, device) if device is not None else None
+        wrap_triton(pruned_autotuner(kernel, args, kwargs, stored))[grid](*args, **kwargs)
 
 
-def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """``kernel`` with its ``early_config_prune`` already applied to these arguments, keeping
-    ``restore_value`` and ``reset_to_zero``.
+def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], stored: Any = None) -> Any:
+    """``kernel`` with its configs narrowed to ``stored`` (a ``triton.Config``) when given, else with
+    its ``early_config_prune`` already applied to these arguments; ``restore_value`` and
+    ``reset_to_zero`` kept.
 
     torch's tracing of Triton kernels (``torch/_higher_order_ops/triton_kernel_wrap.py``,
     torch 2.11 to 2.13) applies the pruning itself and re-wraps the kernel as
@@ -113,11 +123,14 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -
     of exactly ``log(V)`` (the logits had become the gradient) and RoPE rotated several
     times. An autotuner with nothing left to prune passes through that code unchanged.
     """
-    if not isinstance(kernel, Autotuner) or kernel.early_config_prune is None:
+    if not isinstance(kernel, Autotuner) or (kernel.early_config_prune is None and stored is None):
         return kernel
     if kernel.perf_model is not None:
         raise NotImplementedError("pruned_autotuner: kernels with a perf_model are not supported")
-    configs = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **kwargs)
+    if stored is not None:
+        configs = [stored]
+    else:
+        configs = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **kwargs)
     return triton.autotune(
         configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
     )(kernel.fn)
@@ -134,8 +147,9 @@ class DirectLaunch:
     """
 
     forced_config: ClassVar[dict[str, Any] | None] = None
-    _tuned: ClassVar[dict[tuple[Any, ...], dict[str, Any]]] = {}
-    _key_positions: ClassVar[dict[Any, tuple[list[int], list[str]]]] = {}
+    _tuned: ClassVar[dict[tuple[Any, LaunchSignature], dict[str, Any]]] = {}
+    """Each autotuned launch's pick: what the route timing records in the tuning database."""
+    _key_positions: ClassVar[dict[Any, list[tuple[int | None, str]]]] = {}
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         if not isinstance(kernel, Autotuner):
@@ -155,26 +169,24 @@ class DirectLaunch:
         meta = {**kwargs, **tuned}
         kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
 
-    def _key(self, kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The autotuner's key (its ``key`` args and the tensors' dtypes), computed cheaply."""
+    def _key(self, kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, LaunchSignature]:
+        """``(kernel, (its autotune key values, the tensors' dtypes))``, as
+        :func:`~inductor_ext.autotune.kernel_configs.launch_signature` but computed cheaply."""
         positions = self._key_positions.get(kernel)
         if positions is None:
-            positional = [kernel.arg_names.index(k) for k in kernel.keys if kernel.arg_names.index(k) < len(args)]
-            keyword = [k for k in kernel.keys if k in kwargs]
-            positions = self._key_positions[kernel] = (positional, keyword)
-        return (
-            kernel,
-            *[args[i] for i in positions[0]],
-            *[kwargs[k] for k in positions[1]],
-            *[a.dtype for a in args if isinstance(a, torch.Tensor)],
-        )
+            positions = self._key_positions[kernel] = [
+                (kernel.arg_names.index(k), k) if kernel.arg_names.index(k) < len(args) else (None, k)
+                for k in kernel.keys
+            ]
+        values = tuple(args[i] if i is not None else kwargs.get(k) for i, k in positions)
+        return kernel, (values, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))
 
     @classmethod
     def _forced_config_for(cls, kernel: Any) -> dict[str, Any] | None:
         """:attr:`forced_config` if it sets exactly the meta-parameters ``kernel``'s configs tune (an
         op's other kernels keep their own configs), else None."""
         forced = cls.forced_config
-        if forced is None or set(forced) - _LAUNCH_OPTIONS == set(kernel.configs[0].kwargs):
+        if forced is None or set(forced) - LAUNCH_OPTIONS == set(kernel.configs[0].kwargs):
             return forced
         return None
 
@@ -188,9 +200,6 @@ class DirectLaunch:
 
 
 Launch = TraceableLaunch | DirectLaunch
-
-_LAUNCH_OPTIONS = frozenset({*triton.Config({}).all_kwargs(), "maxnreg"})
-"""Keys of a config's ``all_kwargs()`` that are launch options (``num_warps``, ...), not kernel parameters."""
 
 
 @contextlib.contextmanager

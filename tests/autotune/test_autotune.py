@@ -418,3 +418,46 @@ def test_kill_during_write_leaves_a_readable_database(tmp_path):
     db.put("after", {})  # the next writer removes the orphaned temporary
     assert not list(path.parent.glob("*.tmp"))
     assert set(dict(db.items())) == {*before, "after"}
+
+
+# ---------------------------------------------------------------- kernel launch configs
+
+
+def _ce_launch(v: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Arguments of a cross_entropy_bwd_kernel launch (the autotuner's key: V)."""
+    logits, lse, labels, scale = torch.randn(3, v), torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(())
+    args = (logits, logits, lse, labels, scale, v, v, 0, v, -100, 0.0, 0.0, 0.0)
+    return args, {"HAS_SMOOTHING": False, "HAS_SOFTCAP": False}
+
+
+def test_kernel_config_records_round_trip_and_narrow_traced_launches():
+    """A config picked while timing comes back for the same launch key (and only for it), and a traced
+    launch then offers Inductor that config alone, restore_value kept."""
+    from inductor_ext.autotune.kernel_configs import records, stored_config
+    from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
+    from inductor_ext.ops._library import DirectLaunch, pruned_autotuner
+
+    args, kwargs = _ce_launch(5000)
+    key = DirectLaunch()._key(kernel, args, kwargs)  # what the eager autotuner's picks are keyed by
+    pick = {"BLOCK_V": 4096, "num_warps": 8, "num_ctas": 1, "num_stages": 3}
+    db = TuningDatabase()
+    db.update(records({key: pick}, "NVIDIA H200"))
+    stored = stored_config(db, kernel, args, kwargs, "NVIDIA H200")
+    assert stored.all_kwargs() == pick
+    assert stored_config(db, kernel, args, kwargs, "NVIDIA H100") is None  # other GPU
+    assert stored_config(db, kernel, *_ce_launch(5001), "NVIDIA H200") is None  # other key
+    narrowed = pruned_autotuner(kernel, args, kwargs, stored)
+    assert [c.all_kwargs() for c in narrowed.configs] == [pick] and narrowed.restore_value == ["DLOGITS"]
+    assert main(["show"]) == 0  # the record is listed
+
+
+def test_symbolic_launch_keys_have_no_stored_config():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from inductor_ext.autotune.kernel_configs import launch_signature
+    from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel as kernel
+
+    args, kwargs = _ce_launch(300)
+    v = ShapeEnv().create_unbacked_symint()
+    assert launch_signature(kernel, args, kwargs) is not None
+    assert launch_signature(kernel, (*args[:8], v, *args[9:]), kwargs) is None

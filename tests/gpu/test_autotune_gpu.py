@@ -1,0 +1,45 @@
+"""The tuning database's consumers on a real GPU: after a tuning run, compiling with ``cpp_wrapper``
+times nothing (no route timing, no kernel benchmarking) and launches the recorded config."""
+
+import pytest
+import torch
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+import inductor_ext  # noqa: F401  (registers the ops and the backend)
+from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.inductor import choice
+from inductor_ext.inductor.options import BackendOptions
+from inductor_ext.ops.rms_norm import rms_norm_family, rms_norm_ref
+from tests.gpu.compile_checks import run_and_get_joined_code
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_warm_database_compiles_with_no_timing_and_the_recorded_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    # what `python -m inductor_ext.autotune tune` does for this call: time both routes, record the picks
+    choice.decide_routes(rms_norm_family, (x, w, 1e-6, 0.0, "llama"), BackendOptions(), TuningDatabase(), x.device)
+    configs = [k for k, _ in TuningDatabase().items() if k.startswith("config|rms_norm_fwd_kernel")]
+    assert configs, list(dict(TuningDatabase().items()))
+
+    timed: list[str] = []
+    benchmark_all_configs = CachingAutotuner.benchmark_all_configs
+
+    def counting(self, *args, **kwargs):
+        timed.append(self.fn.__name__)
+        return benchmark_all_configs(self, *args, **kwargs)
+
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
+    monkeypatch.setattr(choice, "measure_routes", lambda *a, **k: timed.append("route timing") or [])
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w: rms_norm_ref(x, w, 1e-6), backend="fastops_inductor", options={"fastops.route": "kernel"}
+    )
+    with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True,
+                                       "fx_graph_cache": False}):  # fmt: skip
+        y, code = run_and_get_joined_code(compiled, x, w)
+    assert timed == []
+    assert "rms_norm_fwd_kernel" in code
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=2e-2, atol=2e-2)
