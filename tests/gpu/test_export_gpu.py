@@ -102,3 +102,27 @@ def test_cpp_runner_matches_eager(exported):
     inputs = _inputs()
     outputs = [run_package(path, [x], device="cuda", iters=3).outputs[0] for x in inputs]
     _check(outputs, inputs, model, reference)
+
+
+def test_multi_kernel_export_holds_one_variant_per_reduction(tmp_path):
+    """With multi-kernel on and Inductor's route, each reduction could be persistent or looped; the
+    package must hold the variant chosen at export (compile-time tuning on random inputs), not both."""
+    import re
+
+    torch.manual_seed(0)
+    model = LlamaStyleDecoder(hidden=1024, heads=8, kv_heads=2, intermediate=2816, layers=1).cuda().eval()
+    model.to(torch.bfloat16)
+    example = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    options = {"fastops.multi_kernel": 1, "fastops.route": "inductor"}
+    path = inductor_ext.export(model, (example,), tmp_path / "mk.pt2", options=options)
+    with zipfile.ZipFile(path) as archive:
+        wrapper = "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".wrapper.cpp"))
+    reductions = re.findall(r"triton_(per|red)_(fused_\w+?)(?:_\d+)?\b", wrapper)
+    assert reductions, "no Inductor reduction in the package"
+    variants: dict[str, set[str]] = {}
+    for kind, name in reductions:
+        variants.setdefault(name, set()).add(kind)
+    assert all(len(kinds) == 1 for kinds in variants.values()), variants
+    with torch.no_grad():
+        x = torch.randn(3, 300, 1024, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(inductor_ext.load(path)(x), model(x)) < 2e-2
