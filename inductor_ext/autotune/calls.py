@@ -84,7 +84,7 @@ def load_calls(path: Path) -> list[OpCall]:
     else:
         raise ValueError(f"call file {path}: expected a .json, .yaml or .yml file")
     if not isinstance(entries, list):
-        raise ValueError(f"call file {path}: expected a list of {{op, args}} entries, got {type(entries).__name__}")
+        raise ValueError(f"call file {path}: expected a list of {{op, args}} entries, got {type(entries).__name__}")  # noqa: TRY004  (a malformed file)
     return dedup(_parse_entry(entry, f"call file {path}, entry {i}") for i, entry in enumerate(entries))
 
 
@@ -149,5 +149,5 @@ def parse_dtype(name: Any) -> torch.dtype:
         return name
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise ValueError(f"unknown dtype {name!r}")  # noqa: TRY004  (a bad value in a file)
     return dtype

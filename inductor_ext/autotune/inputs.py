@@ -53,7 +53,7 @@ def _labels(shape: list[int], dtype: torch.dtype, device: torch.device, bound: M
 
 def _position_ids(shape: list[int], dtype: torch.dtype, device: torch.device, bound: Mapping[str, Any]) -> torch.Tensor:
     if not isinstance(bound.get("cos"), torch.Tensor):
-        raise ValueError("position_ids need a `cos` table argument to give the number of positions")
+        raise ValueError("position_ids need a `cos` table argument to give the number of positions")  # noqa: TRY004
     rows = max(size_hint(bound["cos"].shape[0]) or 1, 1)
     length = shape[-1] if shape else 1
     starts = torch.randint(0, rows, (*shape[:-1], 1), device=device)

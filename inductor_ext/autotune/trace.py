@@ -97,7 +97,7 @@ def _load_entry(entry: str) -> Callable[[], Any]:
         raise ValueError(f"entry {entry!r}: cannot import module {module_name!r} ({error})") from error
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(f"entry {entry!r}: module {module_name!r} has no function {function_name!r}")
+        raise ValueError(f"entry {entry!r}: module {module_name!r} has no function {function_name!r}")  # noqa: TRY004
     return function
 
 

@@ -10,13 +10,13 @@ Forward, for each row ``x`` of ``(N, V)`` logits with label ``y`` (all math in f
     dx_j = dz_j * (1 - (z_j / cap)**2)   softcap > 0 (else dx = dz)
     dx  *= grad_scale                    grad_output, times 1 / (non-ignored count) for "mean"
 
-:func:`cross_entropy_fwd_kernel` writes ``loss`` (fp32, per row) and, as asked,
+:data:`cross_entropy_fwd_kernel` writes ``loss`` (fp32, per row) and, as asked,
 ``lse`` (fp32, per row) and/or ``dx`` (logits' dtype). The cross-entropy op stores
 ``lse`` and leaves the gradient to :func:`cross_entropy_bwd_kernel`, which knows
 ``grad_output`` and reads each row once more: three passes over the logits in all
 (read, read, write), each gradient rounded once. Fused linear cross-entropy, whose
 chunk logits are its own buffers, has the forward write ``dx`` over them
-(:func:`cross_entropy_fwd_inplace_kernel`). Rows whose label is ``ignore_index``
+(:data:`cross_entropy_fwd_inplace_kernel`). Rows whose label is ``ignore_index``
 get ``loss = 0`` and ``dx = 0``. A label outside ``[0, V)`` (other than
 ``ignore_index``) is never used as an address: its row gets ``loss = NaN`` and the
 gradient without the target term.
@@ -233,16 +233,19 @@ def _cross_entropy_row(
                     tl.store(dx_row + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_all_configs(), key=["V"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def cross_entropy_fwd_kernel(
+def _cross_entropy_fwd(
     LOGITS, DLOGITS, LOSS, LSE, LABELS, GRAD_SCALE,
     stride_logits, stride_dlogits, stride_scale, V,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_GRAD_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, STORE_LSE: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """One program per row: LOSS[row], (STORE_LSE) LSE[row] and (COMPUTE_GRAD) DLOGITS[row, :] from LOGITS[row, :]."""
+    """One program per row: LOSS[row], (STORE_LSE) LSE[row] and (COMPUTE_GRAD) DLOGITS[row, :] from LOGITS[row, :].
+
+    Each element is read (both passes) before the same thread writes its gradient, and the
+    target logit is read first, so DLOGITS may be LOGITS.
+    """
     _cross_entropy_row(
         LOGITS, DLOGITS, LOSS, LSE, LABELS, GRAD_SCALE,
         tl.program_id(0), stride_logits, stride_dlogits, stride_scale, V,
@@ -251,28 +254,12 @@ def cross_entropy_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(
-    configs=_all_configs(), key=["V"], prune_configs_by={"early_config_prune": _prune}, restore_value=["LOGITS"]
-)
-@triton.jit
-def cross_entropy_fwd_inplace_kernel(
-    LOGITS, LOSS, LABELS, GRAD_SCALE,
-    stride_logits, stride_scale, V,
-    ignore_index, label_smoothing, lse_square_scale, softcap,
-    HAS_GRAD_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    PERSISTENT: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    """As :func:`cross_entropy_fwd_kernel`, writing the gradient over LOGITS[row, :].
+_FWD_AUTOTUNE = {"configs": _all_configs(), "key": ["V"], "prune_configs_by": {"early_config_prune": _prune}}
+cross_entropy_fwd_kernel = triton.autotune(**_FWD_AUTOTUNE)(_cross_entropy_fwd)
+"""Writes the gradient, if any, to its own buffer."""
 
-    Each element is read (both passes) before the same thread overwrites it, and the
-    target logit is read first, so the row can be its own output.
-    """
-    _cross_entropy_row(
-        LOGITS, LOGITS, LOSS, None, LABELS, GRAD_SCALE,
-        tl.program_id(0), stride_logits, stride_logits, stride_scale, V,
-        ignore_index, label_smoothing, lse_square_scale, softcap,
-        HAS_GRAD_SCALE, HAS_SMOOTHING, HAS_SOFTCAP, True, False, PERSISTENT, BLOCK_V,
-    )  # fmt: skip
+cross_entropy_fwd_inplace_kernel = triton.autotune(**_FWD_AUTOTUNE, restore_value=["DLOGITS"])(_cross_entropy_fwd)
+"""DLOGITS is LOGITS: the gradient replaces the logits (the autotuner restores them after each timed run)."""
 
 
 BWD_CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))

@@ -172,18 +172,13 @@ def launch_cross_entropy(
         "HAS_SOFTCAP": softcap > 0,
     }
     scalars = (v, ignore_index, label_smoothing, lse_square_scale, softcap)
-    if dlogits is logits:
-        launch(
-            cross_entropy_fwd_inplace_kernel, lambda meta: (n,),
-            logits, row_loss, labels, grad_scale, logits.stride(0), scale_stride, *scalars, **common,
-        )  # fmt: skip
-    else:
-        launch(
-            cross_entropy_fwd_kernel, lambda meta: (n,),
-            logits, dlogits, row_loss, lse, labels, grad_scale,
-            logits.stride(0), 0 if dlogits is None else dlogits.stride(0), scale_stride, *scalars,
-            COMPUTE_GRAD=dlogits is not None, STORE_LSE=lse is not None, **common,
-        )  # fmt: skip
+    kernel = cross_entropy_fwd_inplace_kernel if dlogits is logits else cross_entropy_fwd_kernel
+    launch(
+        kernel, lambda meta: (n,),
+        logits, dlogits, row_loss, lse, labels, grad_scale,
+        logits.stride(0), 0 if dlogits is None else dlogits.stride(0), scale_stride, *scalars,
+        COMPUTE_GRAD=dlogits is not None, STORE_LSE=lse is not None, **common,
+    )  # fmt: skip
 
 
 def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, skip_unit_scale: bool = False) -> None:

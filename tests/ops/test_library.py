@@ -15,7 +15,7 @@ from inductor_ext.ops._library import pruned_autotuner
 
 def _inplace_args(v: int) -> tuple:
     logits = torch.empty(3, v)
-    return (logits, torch.empty(3), torch.zeros(3, dtype=torch.long), None, v, 0, v, -100, 0.0, 0.0, 0.0)
+    return (logits, logits, torch.empty(3), None, torch.zeros(3, dtype=torch.long), None, v, v, 0, v, -100, 0.0, 0.0, 0.0)
 
 
 def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
@@ -23,7 +23,7 @@ def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
     for v in (100, 32000, 262144):
         pruned = pruned_autotuner(cross_entropy_fwd_inplace_kernel, _inplace_args(v), {"HAS_GRAD_SCALE": False})
         assert isinstance(pruned, Autotuner)
-        assert pruned.restore_value == ["LOGITS"]
+        assert pruned.restore_value == ["DLOGITS"]
         assert pruned.early_config_prune is None  # nothing left for the tracer to re-wrap
         assert pruned.fn is cross_entropy_fwd_inplace_kernel.fn
         assert sorted(map(CrossEntropyConfig.from_triton, pruned.configs), key=str) == sorted(search_space(v), key=str)
