@@ -40,6 +40,7 @@ def test_warm_database_compiles_with_no_timing_and_the_recorded_config(monkeypat
     with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True,
                                        "fx_graph_cache": False}):  # fmt: skip
         y, code = run_and_get_joined_code(compiled, x, w)
-    assert timed == []
+    # (Inductor may still tune kernels of its own elsewhere in a graph: only ours and the routes count here)
+    assert [t for t in timed if t == "route timing" or "rms_norm" in t] == [], timed
     assert "rms_norm_fwd_kernel" in code
     torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=2e-2, atol=2e-2)
