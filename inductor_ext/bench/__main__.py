@@ -3,7 +3,8 @@
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
-optionally, ``host_overhead_us() -> dict`` (eager host cost vs a bare launch).
+optionally, ``host_overhead_us() -> dict`` (eager host cost vs a bare launch) and
+``route_check(results) -> dict`` (the backend's "auto" route against the forced ones).
 """
 
 import argparse
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = harness.copy_bandwidth_gbps()
     results = bench.run(shapes, dtype, copy_gbps)
     overhead = bench.host_overhead_us() if hasattr(bench, "host_overhead_us") else {}
+    routes = bench.route_check(results) if hasattr(bench, "route_check") else {}
     from inductor_ext.ops._library import DirectLaunch
 
     tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in DirectLaunch._tuned.items()}
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "copy_gbps": copy_gbps,
         "host_overhead": overhead,
+        "auto_route_over_best_forced": routes,
     }
     stem = f"{args.op}_{args.dtype}"
     harness.write_results(results, extra, args.out, stem)
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
     print(harness.table(results))
     print(json.dumps(overhead, indent=1))
+    if routes:
+        print("auto route / faster forced route:", json.dumps(routes, indent=1))
     print(json.dumps(extra["eager_tuned_configs"], indent=1, default=str))
     return 0
 

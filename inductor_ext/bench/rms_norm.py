@@ -129,3 +129,15 @@ def host_overhead_us(n: int = 4096, calls: int = 500, rounds: int = 15) -> dict[
     out["ratio_no_grad"] = out["fastops_eager_us"] / out["bare_autograd_function_us"]
     out["ratio_grad"] = out["fastops_eager_grad_us"] / out["bare_autograd_function_grad_us"]
     return out
+
+
+def route_check(results: list[Result]) -> dict[str, float]:
+    """Per (mode, shape): the ``"auto"`` route's time over the faster forced route's (issue 3: within 1.03)."""
+    by_case: dict[str, dict[str, float]] = {}
+    for r in results:
+        by_case.setdefault(f"{r.mode} {r.shape}", {})[r.provider] = r.ms
+    return {
+        case: ms["fastops_backend"] / min(ms["fastops_backend_kernel"], ms["fastops_backend_inductor"])
+        for case, ms in by_case.items()
+        if {"fastops_backend", "fastops_backend_kernel", "fastops_backend_inductor"} <= ms.keys()
+    }
