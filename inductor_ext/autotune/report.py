@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 from inductor_ext.inductor.choice import RouteDecision
 
 COLUMNS = ("op", "signature", "device", "kernel ms", "inductor ms", "choice", "speedup", "source")
-"""``speedup``: the other route's time over the chosen one's. ``source``: ``measured`` (timed by
+"""``kernel ms``/``inductor ms``: median, ± half the interdecile spread when measured. ``speedup``:
+the other route's time over the chosen one's. ``source``: ``measured`` (timed by
 this run), ``database`` (read from it), ``untuned`` (recorded on CPU, nothing timed)."""
 
 T = TypeVar("T")
@@ -32,8 +33,9 @@ def progress(items: Sequence[T], label: str) -> Iterator[T]:
 def decision_row(decision: RouteDecision, device: str) -> list[str]:
     times = [t for t in (decision.kernel_ms, decision.inductor_ms) if t is not None]
     speedup = f"{max(times) / min(times):.2f}x" if len(times) == 2 and min(times) > 0 else "-"
-    return [_short(decision.op), decision.signature, device, _ms(decision.kernel_ms), _ms(decision.inductor_ms),
-            decision.route, speedup, decision.reason]  # fmt: skip
+    kernel = _ms(decision.kernel_ms, decision.kernel_spread_ms)
+    inductor = _ms(decision.inductor_ms, decision.inductor_spread_ms)
+    return [_short(decision.op), decision.signature, device, kernel, inductor, decision.route, speedup, decision.reason]
 
 
 def untuned_row(op: str, signature: str, device: str) -> list[str]:
@@ -68,8 +70,11 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
     return tabulate(rows, headers=COLUMNS, disable_numparse=True)
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+def _ms(value: float | None, spread: float | None = None) -> str:
+    """``median`` or ``median ±spread/2`` (the interdecile spread)."""
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if spread is None else f"{value:.4f} ±{spread / 2:.4f}"
 
 
 def _short(op: str) -> str:

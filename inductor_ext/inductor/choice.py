@@ -40,6 +40,9 @@ class RouteDecision:
     """``"cpu"``, ``"measured"`` or ``"database"``."""
     kernel_ms: float | None = None
     inductor_ms: float | None = None
+    kernel_spread_ms: float | None = None
+    inductor_spread_ms: float | None = None
+    """Interdecile spreads of the timings (:func:`inductor_ext.autotune.timing.median_ms`)."""
 
 
 def route_key(fwd_name: str, sig: str, device_name: str) -> str:
@@ -159,11 +162,13 @@ def _measure_routes(
         def run_kernels(inputs: Sequence[Any], direct: Callable[..., Any] = direct) -> Any:
             return direct(*inputs)
 
-        kernel_ms, _ = median_ms(run_kernels, make_inputs)
+        kernel_ms, kernel_spread = median_ms(run_kernels, make_inputs)
         compiled = compile_math(DECOMPOSITIONS[op], args, options)
-        inductor_ms, _ = median_ms(compiled, make_inputs)
+        inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
-        decisions.append(RouteDecision(op._name, signature(args), route, "measured", kernel_ms, inductor_ms))
+        decisions.append(RouteDecision(
+            op._name, signature(args), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
+        ))  # fmt: skip
     return decisions
 
 

@@ -272,7 +272,8 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
 
     def fake_measure(family, args, options, device):
         measured.append(family.name)
-        return [choice.RouteDecision(op._name, signature(args), "kernel", "measured", 1.0, 2.5) for op in (family.fwd, family.bwd)]
+        return [choice.RouteDecision(op._name, signature(args), "kernel", "measured", 1.0, 2.5, 0.02, 0.1)
+                for op in (family.fwd, family.bwd)]  # fmt: skip
 
     monkeypatch.setattr(choice, "measure_routes", fake_measure)
     monkeypatch.setattr(choice, "device_name", lambda device: "Fake GPU")
@@ -283,6 +284,7 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
     assert measured == ["rms_norm"]
     table = capsys.readouterr().out
     assert "rms_norm_bwd" in table and "2.50x" in table and "measured" in table
+    assert "1.0000 ±0.0100" in table and "2.5000 ±0.0500" in table  # medians with the spread recorded
     call = load_calls(path)[0]
     assert list(_entries()) == [choice.route_key("fastops::rms_norm_fwd", call.signature, "Fake GPU")]
 

@@ -248,6 +248,7 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch):
     torch.compile(lambda x, w: x * w, backend=backend, fullgraph=True)(x, w)
     assert [d.op for d in decisions] == ["fastops::rms_norm_fwd", "fastops::rms_norm_bwd"]
     assert all(d.kernel_ms > 0 and d.inductor_ms > 0 and d.route in ("kernel", "inductor") for d in decisions)
+    assert all(d.kernel_spread_ms == 0.0 and d.inductor_spread_ms == 0.0 for d in decisions)  # spreads recorded
     assert decisions[1].signature.startswith("(float32[6,48], float32[6,48], float32[48], float32[6]")
 
 
