@@ -17,6 +17,7 @@ from torch._inductor.utils import run_and_get_code
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
+from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
 from tests.hf_spellings import (
     CausalLMLoss,
     GemmaRMSNorm,
@@ -378,3 +379,24 @@ def test_hf_spelled_decoder_stack_is_rewritten_and_matches_the_fastops_spelling(
         assert rel_err(got, ref) < reduced_grad(torch.float32, 32)
     with torch.no_grad():
         assert rel_err(ours(x), y_ref) < OUTPUT[torch.float32]
+
+
+def test_partial_rotary_hf_rope_is_rewritten_on_the_rotary_slices():
+    """GPT-NeoX/Phi spelling (rotate the first ``rot`` dims, concatenate the rest back): the rotation
+    of both slices becomes one op call; the concatenation stays Inductor's."""
+    b, s, hq, hk, d, rot = 2, 7, 4, 2, 16, 8
+    q = torch.randn(b, hq, s, d, requires_grad=True)
+    k = torch.randn(b, hk, s, d, requires_grad=True)
+    angles = torch.randn(b, s, rot // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+
+    def f(q, k):
+        return apply_rotary_pos_emb_ref(q, k, cos, sin)  # HF's partial-rotary form (see its docstring)
+
+    outs = torch.compile(f, backend="fastops_inductor", fullgraph=True)(q, k)
+    grads = torch.autograd.grad(sum(o.square().sum() for o in outs), (q, k))
+    outs_ref = f(q.double(), k.double())
+    grads_ref = torch.autograd.grad(sum(o.square().sum() for o in outs_ref), (q, k))
+    assert counters["inductor_ext"]["rewrite_rope_hf"] == 1
+    for got, ref in zip((*outs, *grads), (*outs_ref, *grads_ref)):
+        assert rel_err(got, ref) < OUTPUT[torch.float32]
