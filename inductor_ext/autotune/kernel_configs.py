@@ -19,13 +19,13 @@ from inductor_ext.autotune.database import TuningDatabase
 LAUNCH_OPTIONS = frozenset({*triton.Config({}).all_kwargs(), "maxnreg"})
 """Keys of a config's ``all_kwargs()`` that are launch options (``num_warps``, ...), not kernel parameters."""
 
-LaunchSignature = tuple[tuple[Any, ...], tuple[str, ...]]
-"""(the autotuner's key argument values, the tensor arguments' dtypes)."""
+LaunchSignature = tuple[tuple[Any, ...], tuple[Any, ...]]
+"""(the autotuner's key argument values, the tensor arguments' dtypes: ``torch.dtype`` or their names)."""
 
 
 def config_key(kernel_name: str, signature: LaunchSignature, device_name: str) -> str:
     key_values, dtypes = signature
-    return f"config|{kernel_name}|{key_values}|{dtypes}|{device_name}"
+    return f"config|{kernel_name}|{key_values}|{tuple(str(d) for d in dtypes)}|{device_name}"
 
 
 def launch_signature(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LaunchSignature | None:

@@ -155,8 +155,8 @@ class DirectLaunch:
         if not isinstance(kernel, Autotuner):
             kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
             return
-        forced = self._forced_config_for(kernel)
-        if forced is not None or _INTERPRET:
+        forced = self.forced_config and self._forced_config_for(kernel)  # (None unless forcing: no call)
+        if forced or _INTERPRET:
             meta = {**kwargs, **(forced or self._first_valid_config(kernel, args, kwargs))}
             kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
             return
@@ -171,15 +171,17 @@ class DirectLaunch:
 
     def _key(self, kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, LaunchSignature]:
         """``(kernel, (its autotune key values, the tensors' dtypes))``, as
-        :func:`~inductor_ext.autotune.kernel_configs.launch_signature` but computed cheaply."""
+        :func:`~inductor_ext.autotune.kernel_configs.launch_signature` but computed cheaply
+        (dtypes as ``torch.dtype``; :func:`~inductor_ext.autotune.kernel_configs.records` spells them)."""
         positions = self._key_positions.get(kernel)
         if positions is None:
             positions = self._key_positions[kernel] = [
                 (kernel.arg_names.index(k), k) if kernel.arg_names.index(k) < len(args) else (None, k)
                 for k in kernel.keys
             ]
-        values = tuple(args[i] if i is not None else kwargs.get(k) for i, k in positions)
-        return kernel, (values, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)))
+        # list comprehensions, dtype objects: this runs on every eager launch (host overhead)
+        values = tuple([args[i] if i is not None else kwargs.get(k) for i, k in positions])
+        return kernel, (values, tuple([a.dtype for a in args if isinstance(a, torch.Tensor)]))
 
     @classmethod
     def _forced_config_for(cls, kernel: Any) -> dict[str, Any] | None:
