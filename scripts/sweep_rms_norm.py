@@ -2,9 +2,14 @@
 shapes, each checked against the aten math, next to torch.compile of the HF reference; Inductor's
 generated kernels are written to $OUT for comparison.
 
-    PYTHONPATH=$PWD python scripts/sweep_rms_norm.py [--out DIR]
+    PYTHONPATH=$PWD python scripts/sweep_rms_norm.py [--out DIR] [--shapes 4096x16384 ...] [--num-ctas 1 2]
+
+``--num-ctas 2`` also tries each config as a thread-block cluster of two CTAs sharing the row
+(Hopper; Triton splits the row across the cluster and reduces through distributed shared
+memory): the candidate fix for the register-bound backward at 16384-wide rows.
 """
 
+# ruff: noqa: B023  (every closure here runs within the loop iteration that defines it)
 import argparse
 import importlib
 import json
@@ -29,12 +34,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("sweep"))
+    parser.add_argument("--shapes", nargs="*", default=None, help="MxN (default: the benchmark's shapes)")
+    parser.add_argument("--num-ctas", type=int, nargs="*", default=[1], help="cluster sizes to try (default: 1)")
     args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     args.out.mkdir(parents=True, exist_ok=True)
     launch = DirectLaunch()
     copy = copy_bandwidth_gbps()
     rows = []
-    for m, n in SHAPES:
+    for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -48,20 +56,24 @@ def main() -> None:
             rows.append(row)
             print(f"{row['shape']:12s} {kind:4s} {ms:.4f} ms {row['copy_fraction']:6.1%} err {err:.1e} {config}")
 
-        for config in search_space(n, forward=True):
-            with force_launch_config(config.to_triton().all_kwargs()):
+        def variants(forward: bool) -> list[tuple[str, dict]]:
+            return [(f"{c} num_ctas={k}", {**c.to_triton().all_kwargs(), "num_ctas": k})
+                    for c in search_space(n, forward=forward) for k in args.num_ctas]  # fmt: skip
+
+        for name, config in variants(forward=True):
+            with force_launch_config(config):
                 y, _ = ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama")
                 ms = bench_graph_median(lambda: ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama"))[0]
-            record("fwd", config, ms, fwd_bytes, _rel(y, y_ref))
+            record("fwd", name, ms, fwd_bytes, _rel(y, y_ref))
         default_per_sm = ops.programs_per_sm
         for per_sm in (1, 2, 4):
             ops.programs_per_sm = lambda _n, p=per_sm: p
-            for config in search_space(n, forward=False):
-                with force_launch_config(config.to_triton().all_kwargs()):
+            for name, config in variants(forward=False):
+                with force_launch_config(config):
                     dx, dw = ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
                     bwd = lambda: ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
                     ms = bench_graph_median(bwd)[0]
-                record("bwd", f"{config} per_sm={per_sm}", ms, bwd_bytes, max(_rel(dx, dx_ref), _rel(dw, dw_ref)))
+                record("bwd", f"{name} per_sm={per_sm}", ms, bwd_bytes, max(_rel(dx, dx_ref), _rel(dw, dw_ref)))
         ops.programs_per_sm = default_per_sm
 
         torch._dynamo.reset()
