@@ -44,3 +44,21 @@ def test_warm_database_compiles_with_no_timing_and_the_recorded_config(monkeypat
     assert [t for t in timed if t == "route timing" or "rms_norm" in t] == [], timed
     assert "rms_norm_fwd_kernel" in code
     torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+def test_hf_config_of_a_llama_traces_every_rewritten_op(monkeypatch, tmp_path):
+    """``tune --hf-config``: transformers' own Llama built from a config on the meta device (no weights);
+    its norms, RoPE, MLP and loss are all found. (transformers is installed on the GPU machine, not in CI.)"""
+    transformers = pytest.importorskip("transformers")
+    from inductor_ext.autotune.__main__ import main
+
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    args = ["tune", "--hf-config", str(tmp_path / "llama"), "--batch", "2", "--seq", "64", "--device", "cpu"]
+    assert main(args) == 0
+    ops = {key.split("|")[1] for key, _ in TuningDatabase().items() if key.startswith("route|")}
+    assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= ops, ops
