@@ -324,23 +324,11 @@ cross_entropy_bwd_inplace_kernel = triton.autotune(**_BWD_AUTOTUNE, restore_valu
 
 
 @triton.jit
-def _scale_row_block(X, OUT, row, cols, mask, scale, stride_x, stride_out):
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_out + cols, (x * scale).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def scale_rows_kernel(
-    X, OUT, SCALE, stride_x, stride_out, stride_scale, V,
-    SKIP_UNIT_SCALE: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+def scale_rows_kernel(X, OUT, SCALE, stride_x, stride_out, stride_scale, V, BLOCK_V: tl.constexpr):
     """OUT[r, :] = X[r, :] * SCALE[r * stride_scale] in fp32, rounded once (stride_scale=0: one scalar).
 
     Grid: (rows * cdiv(V, BLOCK_V),), program ``p`` takes block ``p % cdiv(V, BLOCK_V)`` of
     row ``p // cdiv(V, BLOCK_V)`` (a scalar scale over a contiguous tensor is one long row).
-    With SKIP_UNIT_SCALE (only when OUT is X) a program whose scale is exactly 1 touches
-    no memory, so an in-place scaling by ``grad_output == 1`` costs one launch, decided
-    on the device.
     """
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(V, BLOCK_V)
@@ -348,8 +336,5 @@ def scale_rows_kernel(
     cols = (pid % col_blocks) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-    if SKIP_UNIT_SCALE:
-        if scale != 1.0:
-            _scale_row_block(X, OUT, row, cols, mask, scale, stride_x, stride_out)
-    else:
-        _scale_row_block(X, OUT, row, cols, mask, scale, stride_x, stride_out)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_out + cols, (x * scale).to(OUT.dtype.element_ty), mask=mask)

@@ -181,7 +181,7 @@ def launch_cross_entropy(
     )  # fmt: skip
 
 
-def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, skip_unit_scale: bool = False) -> None:
+def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor) -> None:
     """``out = x * scale`` in fp32: ``scale`` 0-dim, or one value per row of the 2-D ``x`` (unit column stride).
 
     A scalar scale over contiguous tensors treats them as one long row (no per-row waste
@@ -196,7 +196,7 @@ def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor, ski
     launch(
         scale_rows_kernel, lambda meta: (rows * triton.cdiv(cols, SCALE_BLOCK),),
         x, out, scale, x.stride(0), out.stride(0), scale_stride, cols,
-        SKIP_UNIT_SCALE=skip_unit_scale, BLOCK_V=SCALE_BLOCK, num_warps=4,
+        BLOCK_V=SCALE_BLOCK, num_warps=4,
     )  # fmt: skip
 
 
