@@ -64,7 +64,9 @@ def export(
         ) from error
     ours, inductor_options = parse_options(options, default_multi_kernel=None)
     patches = {**inductor_options, **ours.inductor_patches()}
-    patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++
+    patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++; so, as for cpp_wrapper (DESIGN.md
+    # section 4), tune at compile time explicitly: multi-kernel asserts without it on some versions
+    patches.setdefault("triton.autotune_at_compile_time", True)
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(program.graph_module)
     path.parent.mkdir(parents=True, exist_ok=True)
