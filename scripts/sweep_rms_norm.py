@@ -6,7 +6,9 @@ generated kernels are written to $OUT for comparison.
 
 ``--num-ctas 2`` also tries each config as a thread-block cluster of two CTAs sharing the row
 (Hopper; Triton splits the row across the cluster and reduces through distributed shared
-memory): the candidate fix for the register-bound backward at 16384-wide rows.
+memory): the candidate fix for the register-bound backward at 16384-wide rows. Inductor takes
+``num_ctas`` inside an autotune config of a user kernel (only a ``num_ctas`` launch argument is
+refused: torch/_higher_order_ops/triton_kernel_wrap.py), so a winner can join the search space.
 """
 
 # ruff: noqa: B023  (every closure here runs within the loop iteration that defines it)
