@@ -20,17 +20,13 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps
+from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps, rel_err
 from inductor_ext.bench.rms_norm import SHAPES
 from inductor_ext.kernels.norm_config import search_space
 from inductor_ext.ops._library import DirectLaunch, force_launch_config
 
 EPS = 1e-6
 ops = importlib.import_module("inductor_ext.ops.rms_norm")  # the package re-exports a function of that name
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main() -> None:
@@ -66,7 +62,7 @@ def main() -> None:
             with force_launch_config(config):
                 y, _ = ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama")
                 ms = bench_graph_median(lambda: ops.rms_norm_fwd_kernels(launch, x, w, EPS, 0.0, "llama"))[0]
-            record("fwd", name, ms, fwd_bytes, _rel(y, y_ref))
+            record("fwd", name, ms, fwd_bytes, rel_err(y, y_ref))
         default_per_sm = ops.programs_per_sm
         for per_sm in (1, 2, 4):
             ops.programs_per_sm = lambda _n, p=per_sm: p
@@ -75,7 +71,7 @@ def main() -> None:
                     dx, dw = ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
                     bwd = lambda: ops.rms_norm_bwd_kernels(launch, dy, x, w, rstd, 0.0, "llama")
                     ms = bench_graph_median(bwd)[0]
-                record("bwd", f"{name} per_sm={per_sm}", ms, bwd_bytes, max(_rel(dx, dx_ref), _rel(dw, dw_ref)))
+                record("bwd", f"{name} per_sm={per_sm}", ms, bwd_bytes, max(rel_err(dx, dx_ref), rel_err(dw, dw_ref)))
         ops.programs_per_sm = default_per_sm
 
         torch._dynamo.reset()

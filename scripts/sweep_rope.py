@@ -14,15 +14,11 @@ import torch
 import triton
 from torch._inductor.utils import run_and_get_code
 
-from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps
+from inductor_ext.bench.harness import bench_graph_median, copy_bandwidth_gbps, rel_err
 from inductor_ext.bench.rope import SHAPES, _make_inputs
 from inductor_ext.kernels.rope import search_space
 from inductor_ext.ops import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
 from inductor_ext.ops._library import force_launch_config
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main() -> None:
@@ -48,13 +44,13 @@ def main() -> None:
             with force_launch_config(config.to_triton().all_kwargs()):
                 out = apply_rotary_pos_emb(q, k, cos, sin)
                 ms = bench_graph_median(lambda: apply_rotary_pos_emb(q, k, cos, sin))[0]
-            record(config, ms, max(_rel(o, r) for o, r in zip(out, ref)))
+            record(config, ms, max(rel_err(o, r) for o, r in zip(out, ref)))
         torch._dynamo.reset()
         compiled = torch.compile(apply_rotary_pos_emb_ref, fullgraph=True)
         out, code = run_and_get_code(compiled, q, k, cos, sin)
         (args.out / f"inductor_rope_{b}x{hq}x{hk}x{s}x{d}.py").write_text("\n\n".join(code))
         record("torch.compile", bench_graph_median(lambda: compiled(q, k, cos, sin))[0],
-               max(_rel(o, r) for o, r in zip(out, ref)))  # fmt: skip
+               max(rel_err(o, r) for o, r in zip(out, ref)))  # fmt: skip
     (args.out / "sweep_rope.json").write_text(json.dumps({"copy_gbps": copy, "rows": rows}, indent=1))
 
 

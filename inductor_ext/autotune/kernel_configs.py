@@ -28,15 +28,31 @@ def config_key(kernel_name: str, signature: LaunchSignature, device_name: str) -
     return f"config|{kernel_name}|{key_values}|{tuple(str(d) for d in dtypes)}|{device_name}"
 
 
+_KEY_POSITIONS: dict[Any, list[tuple[int | None, str]]] = {}
+"""Per autotuned kernel: where each of its ``key`` arguments is passed (a position, or None: a keyword)."""
+
+
+def key_signature(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LaunchSignature:
+    """What ``kernel``'s (an ``Autotuner``) cache is keyed on for this launch: its ``key`` argument
+    values and the tensors' dtypes. Every eager launch computes it, so it is kept cheap (positions
+    cached per kernel, list comprehensions, dtype objects)."""
+    positions = _KEY_POSITIONS.get(kernel)
+    if positions is None:
+        index = {name: i for i, name in enumerate(kernel.arg_names)}
+        positions = _KEY_POSITIONS[kernel] = [
+            (index[k], k) if index[k] < len(args) else (None, k) for k in kernel.keys
+        ]
+    values = tuple([args[i] if i is not None else kwargs.get(k) for i, k in positions])
+    return values, tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
+
+
 def launch_signature(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> LaunchSignature | None:
-    """What ``kernel``'s (an ``Autotuner``) cache is keyed on for this launch; None when a key value is
-    symbolic (a dynamic shape: no single config was chosen for it)."""
-    named = {**dict(zip(kernel.arg_names, args)), **kwargs}
-    values = tuple(named.get(name) for name in kernel.keys)
-    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values):
+    """:func:`key_signature` of a traced launch; None when a key value is symbolic (a dynamic
+    shape: no single config was chosen for it)."""
+    signature = key_signature(kernel, args, kwargs)
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in signature[0]):
         return None
-    dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-    return values, dtypes
+    return signature
 
 
 def device_name_of(args: Sequence[Any]) -> str | None:

@@ -20,12 +20,8 @@ from pathlib import Path
 import torch
 
 import inductor_ext
-from inductor_ext.bench.harness import do_bench_median
+from inductor_ext.bench.harness import do_bench_median, rel_err
 from inductor_ext.bench.llama import LlamaStyleDecoder
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def main(argv: list[str] | None = None) -> int:

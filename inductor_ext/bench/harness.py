@@ -47,6 +47,12 @@ class Result:
     speedup_vs_compile: float = float("nan")
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64: the numerics check the benchmarks and sweeps print (a host sync)."""
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
 def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile) ms with CUDA events, via ``triton.testing.do_bench``."""
     import triton.testing

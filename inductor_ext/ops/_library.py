@@ -34,7 +34,13 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.autotuner import Autotuner
 
 from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.kernel_configs import LAUNCH_OPTIONS, LaunchSignature, device_name_of, stored_config
+from inductor_ext.autotune.kernel_configs import (
+    LAUNCH_OPTIONS,
+    LaunchSignature,
+    device_name_of,
+    key_signature,
+    stored_config,
+)
 
 NAMESPACE = "fastops"
 
@@ -149,7 +155,6 @@ class DirectLaunch:
     forced_config: ClassVar[dict[str, Any] | None] = None
     _tuned: ClassVar[dict[tuple[Any, LaunchSignature], dict[str, Any]]] = {}
     """Each autotuned launch's pick: what the route timing records in the tuning database."""
-    _key_positions: ClassVar[dict[Any, list[tuple[int | None, str]]]] = {}
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         if not isinstance(kernel, Autotuner):
@@ -169,19 +174,10 @@ class DirectLaunch:
         meta = {**kwargs, **tuned}
         kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
 
-    def _key(self, kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, LaunchSignature]:
-        """``(kernel, (its autotune key values, the tensors' dtypes))``, as
-        :func:`~inductor_ext.autotune.kernel_configs.launch_signature` but computed cheaply
-        (dtypes as ``torch.dtype``; :func:`~inductor_ext.autotune.kernel_configs.records` spells them)."""
-        positions = self._key_positions.get(kernel)
-        if positions is None:
-            positions = self._key_positions[kernel] = [
-                (kernel.arg_names.index(k), k) if kernel.arg_names.index(k) < len(args) else (None, k)
-                for k in kernel.keys
-            ]
-        # list comprehensions, dtype objects: this runs on every eager launch (host overhead)
-        values = tuple([args[i] if i is not None else kwargs.get(k) for i, k in positions])
-        return kernel, (values, tuple([a.dtype for a in args if isinstance(a, torch.Tensor)]))
+    @staticmethod
+    def _key(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, LaunchSignature]:
+        """What :attr:`_tuned` is keyed by: the kernel and its autotuner's cache key for this launch."""
+        return kernel, key_signature(kernel, args, kwargs)
 
     @classmethod
     def _forced_config_for(cls, kernel: Any) -> dict[str, Any] | None:
