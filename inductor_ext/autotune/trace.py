@@ -70,7 +70,10 @@ def calls_from_entry(entry: str, grad: bool = True) -> list[OpCall]:
 
 def calls_from_hf_config(path: Path, batch: int, seq: int, dtype: torch.dtype, grad: bool = True) -> list[OpCall]:
     """Trace ``AutoModelForCausalLM.from_config`` of a local config (a directory or its
-    ``config.json``) on ``input_ids`` and ``labels`` of shape (batch, seq): the loss included."""
+    ``config.json``) on ``input_ids`` and ``labels`` of shape (batch, seq): the loss included.
+
+    The KV cache is off (``use_cache=False``): a training step has none, and transformers'
+    ``DynamicCache`` creates its empty buffers outside the meta device."""
     try:
         import transformers  # type: ignore[import-not-found]
     except ImportError:
@@ -78,12 +81,15 @@ def calls_from_hf_config(path: Path, batch: int, seq: int, dtype: torch.dtype, g
     if not path.exists():
         raise ValueError(f"HF config {path} does not exist (a local directory or config.json is expected)")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, use_cache=False)
     except (OSError, ValueError) as error:
         raise ValueError(f"HF config {path}: {error}") from error
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    inputs = {name: torch.empty((batch, seq), dtype=torch.int64, device="meta") for name in ("input_ids", "labels")}
+        # transformers >= 4.56 names the argument ``dtype`` (5.x warns on ``torch_dtype``)
+        dtype_arg = "torch_dtype" if transformers.__version__.startswith(("2.", "3.", "4.")) else "dtype"
+        model = transformers.AutoModelForCausalLM.from_config(config, **{dtype_arg: dtype})
+    inputs: dict[str, Any] = {n: torch.empty((batch, seq), dtype=torch.int64, device="meta") for n in ("input_ids", "labels")}
+    inputs["use_cache"] = False
     return trace_calls(model, (), inputs, grad)
 
 

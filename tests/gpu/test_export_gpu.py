@@ -104,25 +104,39 @@ def test_cpp_runner_matches_eager(exported):
     _check(outputs, inputs, model, reference)
 
 
-def test_multi_kernel_export_holds_one_variant_per_reduction(tmp_path):
-    """With multi-kernel on and Inductor's route, each reduction could be persistent or looped; the
-    package must hold the variant chosen at export (compile-time tuning on random inputs), not both."""
+def _package_kernels(path: Path) -> tuple[int, set[str]]:
+    """The package's cubin count and the Inductor reduction kernels (persistent ``per`` or looped
+    ``red``) its wrapper launches (each launch goes through a ``call_<kernel>`` function; the wrapper
+    also declares every kernel Inductor generated, chosen or not, as a null handle that is never loaded)."""
     import re
 
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        wrapper = "".join(archive.read(n).decode() for n in names if n.endswith(".wrapper.cpp"))
+    cubins = sum(n.endswith(".cubin") for n in names)
+    return cubins, set(re.findall(r"\bcall_(triton_(?:per|red)_fused_\w+)", wrapper))
+
+
+def test_multi_kernel_export_holds_one_variant_per_reduction(tmp_path):
+    """With multi-kernel on and Inductor's route, each reduction could be persistent or looped; the
+    package must hold and launch the variant chosen at export (compile-time tuning on random
+    inputs), not both: as many cubins and reduction kernels as the same export with multi-kernel off
+    (one variant per reduction, chosen by Inductor's heuristic)."""
     torch.manual_seed(0)
     model = LlamaStyleDecoder(hidden=1024, heads=8, kv_heads=2, intermediate=2816, layers=1).cuda().eval()
     model.to(torch.bfloat16)
     example = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
-    options = {"fastops.multi_kernel": 1, "fastops.route": "inductor"}
-    path = inductor_ext.export(model, (example,), tmp_path / "mk.pt2", options=options)
-    with zipfile.ZipFile(path) as archive:
-        wrapper = "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".wrapper.cpp"))
-    reductions = re.findall(r"triton_(per|red)_(fused_\w+?)(?:_\d+)?\b", wrapper)
-    assert reductions, "no Inductor reduction in the package"
-    variants: dict[str, set[str]] = {}
-    for kind, name in reductions:
-        variants.setdefault(name, set()).add(kind)
-    assert all(len(kinds) == 1 for kinds in variants.values()), variants
+    exports = {
+        multi_kernel: _package_kernels(inductor_ext.export(
+            model, (example,), tmp_path / f"mk{multi_kernel}.pt2",
+            options={"fastops.multi_kernel": multi_kernel, "fastops.route": "inductor"},
+        ))
+        for multi_kernel in (0, 1)
+    }  # fmt: skip
+    (single_cubins, single), (cubins, chosen) = exports[0], exports[1]
+    assert single, "no Inductor reduction launched by the package"
+    assert len(chosen) == len(single) and cubins == single_cubins, exports
+    path = tmp_path / "mk1.pt2"
     with torch.no_grad():
         x = torch.randn(3, 300, 1024, device="cuda", dtype=torch.bfloat16)
         assert rel_err(inductor_ext.load(path)(x), model(x)) < 2e-2
