@@ -1,5 +1,6 @@
-"""``python -m inductor_ext.bench autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1]``: the
-standalone autotuner against issue 5's targets, in one run (about 5 minutes on an H200).
+"""``python -m inductor_ext.bench autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1] [--parts a b c]``:
+the standalone autotuner against issue 5's targets. (a) and (b) take about 2 minutes on an H200,
+(c) over 5 (five fresh processes, each compiling from empty caches): give (c) its own device call.
 
 What is measured:
 
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -88,33 +90,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="(a) tokens per step: batch")
     parser.add_argument("--seq", type=int, default=4096, help="(a) tokens per step: sequence length")
     parser.add_argument("--layers", type=int, default=1, help="(a) num_hidden_layers (does not change the shapes)")
+    parser.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["a", "b", "c"],
+                        help="which measurements to make ((b) needs (a))")  # fmt: skip
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # (c): one compile, in a child process
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     if args.phase is not None:
         return _compile_phase(args.phase)
-    if importlib.util.find_spec("transformers") is None:
+    if "b" in args.parts and "a" not in args.parts:
+        parser.error("--parts b re-times what (a) tuned: give a too")
+    if "a" in args.parts and importlib.util.find_spec("transformers") is None:
         parser.error("this benchmark needs transformers (pip install 'inductor-ext[hf]')")
 
-    with tempfile.TemporaryDirectory(prefix="autotune_bench_") as scratch:
-        with mock.patch.dict(os.environ, _fresh_caches(scratch, tempfile.mkdtemp(dir=scratch))):
-            tuning, tuned = _tune_llama_8b(args.batch, args.seq, args.layers, Path(scratch))
-            rechecks = _recheck(tuned)
-        torch.cuda.empty_cache()  # the compile processes get the whole GPU
-        compiles = _compile_cold_and_warm(scratch)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tuning": tuning,
-              "rechecks": rechecks, "compile": compiles}  # fmt: skip
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "autotune_llama8b.json").write_text(json.dumps(report, indent=1))
-    _print_tables(report)
+
+    def save(part: str, value: Any) -> None:  # each part printed and saved as soon as measured
+        report[part] = value
+        (args.out / "autotune_llama8b.json").write_text(json.dumps(report, indent=1))
+
+    with tempfile.TemporaryDirectory(prefix="autotune_bench_") as scratch:
+        if "a" in args.parts:
+            with mock.patch.dict(os.environ, _fresh_caches(scratch, tempfile.mkdtemp(dir=scratch))):
+                tuning, tuned = _tune_llama_8b(args.batch, args.seq, args.layers, Path(scratch))
+                save("tuning", tuning)
+                _print_tuning(tuning)
+                if "b" in args.parts:
+                    save("rechecks", _recheck(tuned))
+                    _print_rechecks(report["rechecks"])
+            torch.cuda.empty_cache()  # the compile processes get the whole GPU
+        if "c" in args.parts:
+            _compile_cold_and_warm(scratch, save)
     return 0
 
 
-def _print_tables(report: dict[str, Any]) -> None:
+def _print_tuning(tuning: dict[str, Any]) -> None:
     from tabulate import tabulate
 
-    tuning = report["tuning"]
     batch, seq = tuning["tokens"]
     print(f"\n(a) Llama-3-8B config, {batch} x {seq} tokens: trace {tuning['trace_s']:.1f} s, "
           f"tuning {tuning['tune_s']:.1f} s for {len(tuning['calls'])} calls")  # fmt: skip
@@ -124,26 +137,25 @@ def _print_tables(report: dict[str, Any]) -> None:
     ]
     print(tabulate(calls, headers=["op", "signature", "inputs GiB", "tune s"], disable_numparse=True))
     print(f"peak {tuning['peak_gib']:.3f} GiB - largest inputs {tuning['largest_inputs_gib']:.3f} GiB "
-          f"= {tuning['peak_minus_largest_gib']:.3f} GiB (target: well under 1)")  # fmt: skip
+          f"= {tuning['peak_minus_largest_gib']:.3f} GiB (target: well under 1)", flush=True)  # fmt: skip
+
+
+def _print_rechecks(rechecks: list[dict[str, Any]]) -> None:
+    from tabulate import tabulate
 
     print("\n(b) the tuned choice, both routes timed again")
-    rechecks = [(r["op"].removeprefix("fastops::"), r["signature"], r["chosen"], f"{r['kernel_ms']:.4f}",
-                 f"{r['inductor_ms']:.4f}", f"{r['chosen_over_best']:.3f}",
-                 "OVER 3%" if r["chosen_over_best"] > 1.03 else "") for r in report["rechecks"]]  # fmt: skip
+    rows = [(r["op"].removeprefix("fastops::"), r["signature"], r["chosen"], f"{r['kernel_ms']:.4f}",
+             f"{r['inductor_ms']:.4f}", f"{r['chosen_over_best']:.3f}",
+             "OVER 3%" if r["chosen_over_best"] > 1.03 else "") for r in rechecks]  # fmt: skip
     headers = ["op", "signature", "chosen", "kernel ms", "inductor ms", "chosen/best", ""]
-    print(tabulate(rechecks, headers=headers, disable_numparse=True))
+    print(tabulate(rows, headers=headers, disable_numparse=True), flush=True)
 
-    compiles = report["compile"]
-    print(f"\n(c) block {BLOCK} on {BLOCK_INPUT}, one fresh process per compile; "
-          f"warm database filled in {compiles['warm_db_tune_s']:.1f} s")  # fmt: skip
-    rows = []
-    for phase, result in compiles["phases"].items():
-        cold, warm = result["cold"], result["warm"]
-        rows.append((phase, f"{cold['seconds']:.1f}", f"{warm['seconds']:.1f}", f"{result['warm_over_cold']:.2f}",
-                     _timing_runs(cold), _timing_runs(warm)))  # fmt: skip
-    runs = "/".join(TIMING_RUNS)
-    headers = ["compile", "cold s", "warm s", "warm/cold (<= 0.70)", f"cold: {runs}", f"warm: {runs}"]
-    print(tabulate(rows, headers=headers, disable_numparse=True))
+
+def _print_compile(phase: str, result: dict[str, Any]) -> None:
+    cold, warm = result["cold"], result["warm"]
+    print(f"(c) {phase}: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s, warm/cold "
+          f"{result['warm_over_cold']:.2f} (target <= 0.70); timing runs {'/'.join(TIMING_RUNS)}: "
+          f"cold {_timing_runs(cold)}, warm {_timing_runs(warm)}", flush=True)  # fmt: skip
 
 
 def _fresh_caches(scratch: str, tuning_dir: str) -> dict[str, str]:
@@ -198,7 +210,7 @@ def _recheck(tuned: list[tuple[OpCall, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _compile_cold_and_warm(scratch: str) -> dict[str, Any]:
+def _compile_cold_and_warm(scratch: str, save: Callable[[str, Any], None]) -> None:
     """(c): fill a warm database for the block, then each compile phase in fresh processes, cold and warm."""
     warm_db = tempfile.mkdtemp(dir=scratch)
     start = time.perf_counter()
@@ -207,11 +219,14 @@ def _compile_cold_and_warm(scratch: str) -> dict[str, Any]:
     subprocess.run(tune, env={**os.environ, **_fresh_caches(scratch, warm_db)}, check=True)
     report: dict[str, Any] = {"block": {**BLOCK, "input": BLOCK_INPUT}, "warm_db_tune_s": time.perf_counter() - start,
                               "phases": {}}  # fmt: skip
+    print(f"\n(c) block {BLOCK} on {BLOCK_INPUT}, one fresh process per compile; "
+          f"warm database filled in {report['warm_db_tune_s']:.1f} s", flush=True)  # fmt: skip
     for phase in PHASES:
         cold = _run_phase(phase, scratch, tempfile.mkdtemp(dir=scratch))
         warm = _run_phase(phase, scratch, warm_db)
         report["phases"][phase] = {"cold": cold, "warm": warm, "warm_over_cold": warm["seconds"] / cold["seconds"]}
-    return report
+        save("compile", report)
+        _print_compile(phase, report["phases"][phase])
 
 
 def _run_phase(phase: str, scratch: str, tuning_dir: str) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from inductor_ext.autotune.timing import graph_replay_ms
+
 Inputs = dict[str, Any]
 
 
@@ -62,32 +64,10 @@ def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, fl
 
 
 def bench_graph_median(fn: Callable[[], Any], calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) ms per call from replays of a CUDA graph of ``calls_per_graph`` calls.
-
-    ``fn`` is warmed up (autotuning, compilation) on a side stream before capture;
-    autograd backward inside the capture is supported by PyTorch (whole-network capture).
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_graph)
-    del graph
+    """(median, 20th, 80th percentile) ms per call from replays of a CUDA graph of ``calls_per_graph``
+    calls (:func:`inductor_ext.autotune.timing.graph_replay_ms`); autograd backward inside the
+    capture is supported by PyTorch (whole-network capture)."""
+    times = graph_replay_ms([fn] * calls_per_graph, replays)
     deciles = statistics.quantiles(times, n=10)
     return statistics.median(times), deciles[1], deciles[7]
 
