@@ -33,3 +33,35 @@ def test_pruned_autotuner_passes_plain_kernels_through():
     assert pruned_autotuner(scale_rows_kernel, (), {}) is scale_rows_kernel
     no_prune = triton.autotune(configs=[triton.Config({})], key=[])(scale_rows_kernel)
     assert pruned_autotuner(no_prune, (), {}) is no_prune
+
+
+def test_precompile_configs_compiles_each_pruned_config_once_off_the_calling_thread(monkeypatch):
+    """The first launch of an autotuned kernel compiles every config its autotuner will time, in
+    parallel threads, before timing them; here with RMSNorm's backward autotuner (its real pruning
+    for N) and Triton's compile stubbed (no GPU)."""
+    import threading
+
+    import triton
+
+    from inductor_ext.kernels.norm_config import search_space
+    from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
+    from inductor_ext.ops._library import precompile_configs
+
+    n, compiled = 3000, []
+
+    def warmup(*args, grid, **meta):
+        compiled.append((threading.get_ident(), grid, meta))
+
+    monkeypatch.setattr(rms_norm_bwd_kernel.fn, "warmup", warmup)
+    tensors = [torch.empty(8, n, dtype=torch.bfloat16) for _ in range(2)]
+    args = (*tensors, torch.empty(n, dtype=torch.bfloat16), torch.empty(8), *tensors[:1], torch.empty(2, n))
+    args += (n, n, n, 8, n, 0.0)
+    precompile_configs(rms_norm_bwd_kernel, lambda meta: (meta["BLOCK_M"],), args, {"HAS_WEIGHT": True, "GEMMA_CASTING": False})
+
+    expected = {c.to_triton() for c in search_space(n, forward=False)}
+    configs = [triton.Config({k: meta[k] for k in ("PERSISTENT", "BLOCK_M", "BLOCK_N", "PREFETCH")},
+                             num_warps=meta["num_warps"]) for _, _, meta in compiled]  # fmt: skip
+    assert sorted(map(str, configs)) == sorted(map(str, expected)) and len(configs) == len(expected) > 1
+    assert all(grid == (meta["BLOCK_M"],) and meta["HAS_WEIGHT"] for _, grid, meta in compiled)
+    assert threading.get_ident() not in {thread for thread, _, _ in compiled}
+    assert rms_norm_bwd_kernel.nargs is None  # the autotuner is left as Triton leaves it
