@@ -37,14 +37,9 @@ def signature(args: Sequence[Any]) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[float]:
-    """GPU ms per call of each of ``replays`` replays of one CUDA graph holding ``calls`` in order.
-
-    The calls are warmed up (compilation, autotuning) on a side stream, captured back to back
-    and replayed between two events: the time is the kernels' alone, as inside a compiled
-    graph, never the host's (a Python launch path slower than its kernels would otherwise be
-    timed instead of them: 50-100 us per call against 10-40 us of GPU time, seen on the H200).
-    """
+def capture_graph(calls: Sequence[Callable[[], Any]]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph holding ``calls`` back to back, warmed up (compilation, autotuning) on a
+    side stream first and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -58,16 +53,28 @@ def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> li
             call()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return times
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """GPU ms of one replay of ``graph``, between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[float]:
+    """GPU ms per call of each of ``replays`` replays of one CUDA graph holding ``calls`` in order.
+
+    The time is the kernels' alone, as inside a compiled graph, never the host's (a Python
+    launch path slower than its kernels would otherwise be timed instead of them: 50-100 us per
+    call against 10-40 us of GPU time, seen on the H200).
+    """
+    graph = capture_graph(calls)
+    return [replay_ms(graph) / len(calls) for _ in range(replays)]
 
 
 def median_ms(run: Callable[[Sequence[Any]], Any], make_inputs: Callable[[], Sequence[Any]]) -> tuple[float, float]:

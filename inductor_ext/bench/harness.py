@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import graph_replay_ms
+from inductor_ext.autotune.timing import capture_graph, graph_replay_ms, replay_ms
 
 Inputs = dict[str, Any]
 
@@ -70,6 +70,18 @@ def bench_graph_median(fn: Callable[[], Any], calls_per_graph: int = 10, replays
     times = graph_replay_ms([fn] * calls_per_graph, replays)
     deciles = statistics.quantiles(times, n=10)
     return statistics.median(times), deciles[1], deciles[7]
+
+
+def interleaved_graph_ms(fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5, rounds: int = 40) -> dict[str, list[float]]:
+    """GPU ms per call of each of ``fns`` in each of ``rounds`` rounds, one CUDA graph of
+    ``calls_per_graph`` calls per function, replayed in turn within each round: clock and
+    thermal drift then hits every function alike, and per-round ratios cancel it."""
+    graphs = {name: capture_graph([fn] * calls_per_graph) for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(replay_ms(graph) / calls_per_graph)
+    return times
 
 
 def copy_bandwidth_gbps(gib: float = 2.0) -> float:
