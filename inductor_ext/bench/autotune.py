@@ -15,6 +15,9 @@ What is measured:
 (b) **The choice holds up.** Right after, in the same process, both routes of every call
     (forward and backward) are timed again (``measure_routes``; our kernels keep the launch
     config picked while tuning); chosen route's time over the faster one's, flagged above 1.03.
+    Then every config of each of our autotuned kernels is timed the same way with the config
+    forced (:func:`inductor_ext.ops._library.force_launch_config`): the config Triton's
+    autotuner picked while tuning over the fastest one's, flagged above 1.03.
 (c) **Warm vs cold compile** of one Llama-8B-sized decoder layer (:mod:`inductor_ext.bench.llama`,
     bf16, inference forward on 1 × 2048 tokens): ``torch.compile(backend="fastops_inductor")``
     with ``cpp_wrapper`` (the HF-spelled layer, which the backend rewrites) and
@@ -32,6 +35,7 @@ Results go to ``DIR/autotune_llama8b.json``.
 
 import argparse
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -49,12 +53,15 @@ import torch
 import inductor_ext
 from inductor_ext.autotune.calls import OpCall
 from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.autotune.inputs import random_inputs
+from inductor_ext.autotune.timing import median_ms
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
 from inductor_ext.bench.harness import rel_err
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
+from inductor_ext.ops._library import DirectLaunch, candidate_configs, force_launch_config, record_autotuned_launches
 
 LLAMA_3_8B: dict[str, Any] = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "b" in args.parts:
                     save("rechecks", _recheck(tuned))
                     _print_rechecks(report["rechecks"])
+                    save("config_rechecks", _recheck_configs([call for call, _ in tuned]))
+                    _print_config_rechecks(report["config_rechecks"])
             torch.cuda.empty_cache()  # the compile processes get the whole GPU
         if "c" in args.parts:
             _compile_cold_and_warm(scratch, save)
@@ -148,6 +157,17 @@ def _print_rechecks(rechecks: list[dict[str, Any]]) -> None:
              f"{r['inductor_ms']:.4f}", f"{r['chosen_over_best']:.3f}",
              "OVER 3%" if r["chosen_over_best"] > 1.03 else "") for r in rechecks]  # fmt: skip
     headers = ["op", "signature", "chosen", "kernel ms", "inductor ms", "chosen/best", ""]
+    print(tabulate(rows, headers=headers, disable_numparse=True), flush=True)
+
+
+def _print_config_rechecks(rechecks: list[dict[str, Any]]) -> None:
+    from tabulate import tabulate
+
+    print("\n(b) our kernels: the autotuner's pick against every config, each timed again")
+    rows = [(r["op"].removeprefix("fastops::"), r["kernel"], r["configs"], r["picked"], f"{r['picked_ms']:.4f}",
+             f"{r['best_ms']:.4f}", f"{r['picked_over_best']:.3f}", "OVER 3%" if r["picked_over_best"] > 1.03 else "")
+            for r in rechecks]  # fmt: skip
+    headers = ["op", "kernel", "configs", "picked", "picked ms", "best ms", "picked/best", ""]
     print(tabulate(rows, headers=headers, disable_numparse=True), flush=True)
 
 
@@ -208,6 +228,40 @@ def _recheck(tuned: list[tuple[OpCall, Any]]) -> list[dict[str, Any]]:
                          "tuned_kernel_ms": chosen.kernel_ms, "tuned_inductor_ms": chosen.inductor_ms,
                          "chosen_over_best": ms[chosen.route] / min(ms.values())})  # fmt: skip
     return rows
+
+
+def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
+    """(b), our kernels: every config each autotuned kernel of a call could launch with, timed like
+    the routes (CUDA-graph replay, rotated random inputs) with the config forced; the config its
+    autotuner picked while tuning over the fastest one's."""
+    rows = []
+    for call in calls:
+        family = call.family
+        fwd_args = random_inputs(family.fwd, call.args, torch.device("cuda"))
+        directions = (("fwd", family.fwd, fwd_args, family.run_fwd_direct),
+                      ("bwd", family.bwd, choice.capture_backward_args(family, fwd_args), family.run_bwd_direct))  # fmt: skip
+        for direction, op, args, direct in directions:
+            with record_autotuned_launches() as launches:
+                direct(*args)
+            kernels = {kernel: (kernel_args, kwargs) for kernel, kernel_args, kwargs in launches}
+            for kernel, (kernel_args, kwargs) in kernels.items():
+                picked = DirectLaunch._tuned[DirectLaunch._key(kernel, kernel_args, kwargs)]
+                configs = {str(c): c.all_kwargs() for c in candidate_configs(kernel, kernel_args, kwargs)}
+                picked_name = next(name for name, config in configs.items() if config == picked)
+                times = {}
+                for name, config in configs.items():
+                    with force_launch_config(config):
+                        times[name] = median_ms(functools.partial(_run_unpacked, direct),
+                                                functools.partial(random_inputs, op, args))[0]  # fmt: skip
+                best = min(times, key=times.__getitem__)
+                rows.append({"op": op._name, "signature": call.signature, "kernel": kernel.fn.__name__,
+                             "configs": len(times), "picked": picked_name, "picked_ms": times[picked_name],
+                             "best": best, "best_ms": times[best], "picked_over_best": times[picked_name] / times[best]})  # fmt: skip
+    return rows
+
+
+def _run_unpacked(direct: Callable[..., Any], inputs: Sequence[Any]) -> Any:
+    return direct(*inputs)
 
 
 def _compile_cold_and_warm(scratch: str, save: Callable[[str, Any], None]) -> None:

@@ -155,6 +155,8 @@ class DirectLaunch:
     """
 
     forced_config: ClassVar[dict[str, Any] | None] = None
+    launch_log: ClassVar[list[tuple[Autotuner, tuple[Any, ...], dict[str, Any]]] | None] = None
+    """While :func:`record_autotuned_launches` is active: every autotuned launch (kernel, args, kwargs)."""
     _tuned: ClassVar[dict[tuple[Any, LaunchSignature], dict[str, Any]]] = {}
     """Each autotuned launch's pick: what the route timing records in the tuning database."""
 
@@ -162,6 +164,8 @@ class DirectLaunch:
         if not isinstance(kernel, Autotuner):
             kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
             return
+        if self.launch_log is not None:
+            self.launch_log.append((kernel, tuple(args), dict(kwargs)))
         forced = self.forced_config and self._forced_config_for(kernel)  # (None unless forcing: no call)
         if forced or _INTERPRET:
             meta = {**kwargs, **(forced or self._first_valid_config(kernel, args, kwargs))}
@@ -203,6 +207,25 @@ class DirectLaunch:
 Launch = TraceableLaunch | DirectLaunch
 
 
+@contextlib.contextmanager
+def record_autotuned_launches() -> Iterator[list[tuple[Autotuner, tuple[Any, ...], dict[str, Any]]]]:
+    """The eager launches of autotuned kernels made inside the block: (kernel, args, kwargs) each."""
+    previous, DirectLaunch.launch_log = DirectLaunch.launch_log, []
+    try:
+        yield DirectLaunch.launch_log
+    finally:
+        DirectLaunch.launch_log = previous
+
+
+def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> list[triton.Config]:
+    """The configs ``kernel``'s autotuner times for this launch (its pruning applied)."""
+    kernel.nargs = dict(zip(kernel.arg_names, args))
+    try:
+        return kernel.prune_configs(kwargs)
+    finally:
+        kernel.nargs = None
+
+
 def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Compile every config ``kernel``'s autotuner will time for this launch, on parallel threads;
     its timing then finds them compiled.
@@ -212,11 +235,7 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
     compiler releases the GIL; measured compiling for sm_90 on a 2-core CPU host). This is what
     a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
     """
-    kernel.nargs = dict(zip(kernel.arg_names, args))
-    try:
-        configs = kernel.prune_configs(kwargs)
-    finally:
-        kernel.nargs = None
+    configs = candidate_configs(kernel, args, kwargs)
     device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
 
     def compile_config(config: triton.Config) -> None:
