@@ -33,6 +33,7 @@ import torch
 import triton
 from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
+from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
 from inductor_ext.autotune.database import TuningDatabase
@@ -227,25 +228,25 @@ def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, 
 
 
 def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Compile every config ``kernel``'s autotuner will time for this launch, on parallel threads;
-    its timing then finds them compiled.
+    """Compile every config ``kernel``'s autotuner will time for this launch, in parallel; its
+    timing then finds them compiled.
 
     Triton's autotuner compiles them one by one as it times them, and compiling dominates a first
     launch: the 18 RMSNorm backward configs take 7.6 s on one thread, 4.3 s on two (Triton's
     compiler releases the GIL; measured compiling for sm_90 on a 2-core CPU host). This is what
     a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
+    Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
+    only the compile to a worker thread; leaving the mode installs the kernels in the cache.
     """
     configs = candidate_configs(kernel, args, kwargs)
-    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-
-    def compile_config(config: triton.Config) -> None:
-        meta = {**kwargs, **config.all_kwargs()}
-        # the current CUDA device is per thread
-        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-            kernel.fn.warmup(*args, grid=grid(meta), **meta)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1)) as pool:
-        list(pool.map(compile_config, configs))  # re-raises a compile error here
+    workers = min(len(configs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        # a mode the caller already opened takes the compiles instead (Triton allows one at a time)
+        mode = triton.AsyncCompileMode(pool) if async_compile_mode.get() is None else contextlib.nullcontext()
+        with mode:
+            for config in configs:
+                meta = {**kwargs, **config.all_kwargs()}
+                kernel.fn.warmup(*args, grid=grid(meta), **meta)
 
 
 @contextlib.contextmanager

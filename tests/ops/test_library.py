@@ -35,13 +35,14 @@ def test_pruned_autotuner_passes_plain_kernels_through():
     assert pruned_autotuner(no_prune, (), {}) is no_prune
 
 
-def test_precompile_configs_compiles_each_pruned_config_once_off_the_calling_thread(monkeypatch):
-    """The first launch of an autotuned kernel compiles every config its autotuner will time, in
-    parallel threads, before timing them; here with RMSNorm's backward autotuner (its real pruning
-    for N) and Triton's compile stubbed (no GPU)."""
-    import threading
+def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mode(monkeypatch):
+    """The first launch of an autotuned kernel compiles every config its autotuner will time, on a
+    thread pool (Triton's AsyncCompileMode), before timing them; here with RMSNorm's backward
+    autotuner (its real pruning for N) and the warm-up stubbed (it needs a GPU)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     import triton
+    from triton.runtime._async_compile import active_mode
 
     from inductor_ext.kernels.norm_config import search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
@@ -50,7 +51,9 @@ def test_precompile_configs_compiles_each_pruned_config_once_off_the_calling_thr
     n, compiled = 3000, []
 
     def warmup(*args, grid, **meta):
-        compiled.append((threading.get_ident(), grid, meta))
+        mode = active_mode.get()
+        assert mode is not None and isinstance(mode.executor, ThreadPoolExecutor)
+        compiled.append((grid, meta))
 
     monkeypatch.setattr(rms_norm_bwd_kernel.fn, "warmup", warmup)
     tensors = [torch.empty(8, n, dtype=torch.bfloat16) for _ in range(2)]
@@ -60,8 +63,8 @@ def test_precompile_configs_compiles_each_pruned_config_once_off_the_calling_thr
 
     expected = {c.to_triton() for c in search_space(n, forward=False)}
     configs = [triton.Config({k: meta[k] for k in ("PERSISTENT", "BLOCK_M", "BLOCK_N", "PREFETCH")},
-                             num_warps=meta["num_warps"]) for _, _, meta in compiled]  # fmt: skip
+                             num_warps=meta["num_warps"]) for _, meta in compiled]  # fmt: skip
     assert sorted(map(str, configs)) == sorted(map(str, expected)) and len(configs) == len(expected) > 1
-    assert all(grid == (meta["BLOCK_M"],) and meta["HAS_WEIGHT"] for _, grid, meta in compiled)
-    assert threading.get_ident() not in {thread for thread, _, _ in compiled}
+    assert all(grid == (meta["BLOCK_M"],) and meta["HAS_WEIGHT"] for grid, meta in compiled)
+    assert active_mode.get() is None
     assert rms_norm_bwd_kernel.nargs is None  # the autotuner is left as Triton leaves it
