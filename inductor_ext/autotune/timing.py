@@ -2,11 +2,14 @@
 themselves come from :mod:`inductor_ext.autotune.inputs`."""
 
 import functools
+import logging
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def size_hint(size: Any) -> int | None:
@@ -77,18 +80,41 @@ def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> li
     return [replay_ms(graph) / len(calls) for _ in range(replays)]
 
 
+def stream_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[float]:
+    """GPU ms per call of ``replays`` sweeps of ``calls`` issued back to back between two events
+    (host time included whenever the host is slower than the kernels)."""
+    for call in calls:
+        call()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return times
+
+
 def median_ms(run: Callable[[Sequence[Any]], Any], make_inputs: Callable[[], Sequence[Any]]) -> tuple[float, float]:
     """(median, interdecile spread) ms of ``run(inputs)`` on the current GPU, kernels only.
 
     The inputs are rotated among enough copies that one sweep exceeds twice the L2
     cache, so every call reads from DRAM as it would inside a model; one CUDA graph holds
     a sweep (at least 10 calls) and the median is over 30 replays (:func:`graph_replay_ms`).
+    If ``run`` cannot be captured, the sweeps are timed on the stream (:func:`stream_ms`),
+    with a warning: host time may then be counted.
     """
     first = make_inputs()
     nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     sets = [first] + [make_inputs() for _ in range(min(32, 2 * l2 // max(nbytes, 1)))]
     calls = [functools.partial(run, sets[i % len(sets)]) for i in range(max(10, len(sets)))]
-    times = graph_replay_ms(calls)
+    try:
+        times = graph_replay_ms(calls)
+    except RuntimeError as error:  # something in `run` cannot be captured: time the stream instead
+        log.warning("timing on the stream, host time included (CUDA graph capture failed: %s)", error)
+        times = stream_ms(calls)
     deciles = statistics.quantiles(times, n=10)
     return statistics.median(times), deciles[8] - deciles[0]
