@@ -62,3 +62,44 @@ def test_hf_config_of_a_llama_traces_every_rewritten_op(monkeypatch, tmp_path):
     assert main(args) == 0
     ops = {key.split("|")[1] for key, _ in TuningDatabase().items() if key.startswith("route|")}
     assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= ops, ops
+
+
+def test_route_timing_counts_gpu_time_not_host_time():
+    """``median_ms`` times a CUDA graph of the calls: host work in ``run`` (here a 2 ms sleep
+    around a tiny kernel) is not captured, so it cannot be timed. Stream timing measured the host
+    whenever it was slower than the kernels (docs/autotune.md)."""
+    import time
+
+    from inductor_ext.autotune.timing import median_ms
+
+    def run(inputs):
+        time.sleep(0.002)
+        return inputs[0] * 2
+
+    ms, _ = median_ms(run, lambda: [torch.randn(1024, device="cuda")])
+    assert ms < 0.2, ms
+
+
+def test_first_launch_compiles_every_candidate_config_before_timing():
+    """``precompile_configs`` (on the first launch of an autotuned kernel) leaves every config the
+    autotuner will time compiled in the JIT cache, so its timing compiles nothing more."""
+    import triton
+
+    from inductor_ext.kernels.rms_norm import rms_norm_fwd_kernel
+    from inductor_ext.ops._library import candidate_configs, precompile_configs
+
+    m, n = 300, 5000  # a row length no other test launches, so nothing is compiled yet
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
+    args = (x, w, y, rstd, n, n, m, n, 1e-6, 0.0)
+    kwargs = {"HAS_WEIGHT": True, "GEMMA_CASTING": False}
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)
+    cache = rms_norm_fwd_kernel.fn.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    precompile_configs(rms_norm_fwd_kernel, grid, args, kwargs)
+    compiled = len(cache) - before
+    assert compiled == len(candidate_configs(rms_norm_fwd_kernel, args, kwargs)) > 1
+    rms_norm_fwd_kernel[grid](*args, **kwargs)  # the autotuner times every config: all cached
+    assert len(cache) - before == compiled
+    torch.testing.assert_close(y.float(), rms_norm_ref(x, w, 1e-6).float(), rtol=2e-2, atol=2e-2)
