@@ -33,6 +33,8 @@ import torch
 import triton
 from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
+from triton.runtime._allocation import NullAllocator
+from triton.runtime._allocation import _allocator as triton_allocator
 from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
@@ -79,6 +81,21 @@ def route_ops(choose_math: MathRoute) -> Iterator[None]:
 
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for kernels that build TMA descriptors on the device (RMSNorm's pipelined backward)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_triton_allocator() -> None:
+    """Give Triton a scratch allocator where none is set (it raises on such kernels otherwise). Triton keeps
+    it in a context variable: per thread, so route timing's worker threads need their own call."""
+    if isinstance(triton_allocator.get(), NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+ensure_triton_allocator()
 
 
 def interpreter_enabled() -> bool:
@@ -167,6 +184,7 @@ class DirectLaunch:
             return
         if self.launch_log is not None:
             self.launch_log.append((kernel, tuple(args), dict(kwargs)))
+        ensure_triton_allocator()
         forced = self.forced_config and self._forced_config_for(kernel)  # (None unless forcing: no call)
         if forced or _INTERPRET:
             meta = {**kwargs, **(forced or self._first_valid_config(kernel, args, kwargs))}
