@@ -24,6 +24,7 @@ Kernels use it as ``@triton.autotune(**autotune_kwargs(forward, key=[...]))``.
 """
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -58,6 +59,11 @@ class NormConfig:
         return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, prefetch == 1,
                    prefetch if prefetch >= 2 else 0)  # fmt: skip
 
+
+TMA_PIPELINE = os.environ.get("INDUCTOR_EXT_RMS_NORM_TMA", "0") == "1"
+"""Offer the TMA pipeline to the autotuner (``INDUCTOR_EXT_RMS_NORM_TMA=1``). Off by default until
+it has been measured and tested on the H200 (built in session 4 without a GPU); forcing a config
+(``force_launch_config``) reaches it either way."""
 
 TMA_MIN_N, TMA_MAX_N, TMA_TILE = 4096, 16384, 256
 """Row lengths of the TMA pipeline (past 16384 its fp32 row and dw partial spill registers)
@@ -147,8 +153,9 @@ def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs: obj
 
 def prune_backward_tma(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
     """``early_config_prune`` of a backward kernel with the TMA pipeline (RMSNorm): the configs in
-    ``search_space(N, forward=False, tma=...)``, TMA ones where :func:`tma_ready` says so."""
-    valid = set(search_space(named_args["N"], forward=False, tma=tma_ready(named_args)))
+    ``search_space(N, forward=False, tma=...)``, TMA ones where :func:`tma_ready` says so and
+    :data:`TMA_PIPELINE` is on."""
+    valid = set(search_space(named_args["N"], forward=False, tma=TMA_PIPELINE and tma_ready(named_args)))
     return [c for c in configs if NormConfig.from_triton(c) in valid]
 
 

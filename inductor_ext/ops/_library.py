@@ -137,9 +137,9 @@ class TraceableLaunch:
 
 
 def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], stored: Any = None) -> Any:
-    """``kernel`` with its configs narrowed to ``stored`` (a ``triton.Config``) when given, else with
-    its ``early_config_prune`` already applied to these arguments; ``restore_value`` and
-    ``reset_to_zero`` kept.
+    """``kernel`` with its configs narrowed to ``stored`` (a ``triton.Config``) when given and valid for
+    these arguments (its pruning keeps it), else with its ``early_config_prune`` already applied to
+    these arguments; ``restore_value`` and ``reset_to_zero`` kept.
 
     torch's tracing of Triton kernels (``torch/_higher_order_ops/triton_kernel_wrap.py``,
     torch 2.11 to 2.13) applies the pruning itself and re-wraps the kernel as
@@ -153,10 +153,11 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
         return kernel
     if kernel.perf_model is not None:
         raise NotImplementedError("pruned_autotuner: kernels with a perf_model are not supported")
-    if stored is not None:
+    configs = kernel.configs
+    if kernel.early_config_prune is not None:
+        configs = kernel.early_config_prune(configs, dict(zip(kernel.arg_names, args)), **kwargs)
+    if stored is not None and any(c.kwargs == stored.kwargs and c.num_warps == stored.num_warps for c in configs):
         configs = [stored]
-    else:
-        configs = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **kwargs)
     return triton.autotune(
         configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
     )(kernel.fn)

@@ -451,6 +451,11 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     narrowed = pruned_autotuner(kernel, args, kwargs, stored)
     assert [c.all_kwargs() for c in narrowed.configs] == [pick] and narrowed.restore_value == ["DLOGITS"]
     assert main(["show"]) == 0  # the record is listed
+    # a record this launch's pruning rejects (here: chunks wider than V = 300) is not offered
+    small_args, small_kwargs = _ce_launch(300)
+    fallback = pruned_autotuner(kernel, small_args, small_kwargs, stored)
+    assert pick not in [c.all_kwargs() for c in fallback.configs]
+    assert fallback.configs == kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, small_args)))
 
 
 def test_symbolic_launch_keys_have_no_stored_config():

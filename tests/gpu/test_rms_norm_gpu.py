@@ -107,6 +107,7 @@ def test_tma_pipelined_backward_under_compile(monkeypatch, cpp_wrapper):
         return configs if forward else [c for c in configs if c.tma_stages] or configs
 
     monkeypatch.setattr(norm_config, "search_space", tma_only)
+    monkeypatch.setattr(norm_config, "TMA_PIPELINE", True)
     x = torch.randn(512, 16384, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(16384, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)

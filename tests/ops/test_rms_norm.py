@@ -66,10 +66,14 @@ def test_tma_pipelined_backward_matches_float64(n):
             _check_against_float64((3, n), torch.bfloat16, with_weight=False)
 
 
-def test_tma_pipeline_is_offered_only_where_tma_can_read_the_rows():
-    """RMSNorm's backward gets the TMA configs for 2-byte rows of 4096-16384 elements (a multiple of
-    256) starting 16-byte aligned; LayerNorm's backward (no TMA path) never does."""
+def test_tma_pipeline_is_offered_only_where_tma_can_read_the_rows(monkeypatch):
+    """With INDUCTOR_EXT_RMS_NORM_TMA=1, RMSNorm's backward gets the TMA configs for 2-byte rows of
+    4096-16384 elements (a multiple of 256) starting 16-byte aligned; LayerNorm's backward (no TMA
+    path) never does; without the switch, nothing does."""
+    from inductor_ext.kernels import norm_config
     from inductor_ext.kernels.norm_config import NormConfig, prune_backward, prune_backward_tma
+
+    monkeypatch.setattr(norm_config, "TMA_PIPELINE", True)
 
     def offered(n, dtype=torch.bfloat16, offset=0, stride=None):
         storage = torch.empty(4 * n + offset, dtype=dtype)
@@ -86,6 +90,8 @@ def test_tma_pipeline_is_offered_only_where_tma_can_read_the_rows():
     assert not offered(4096, torch.float32)
     assert not offered(4096, offset=4)  # rows start 8 bytes past an aligned address
     assert not offered(4096, stride=4100)
+    monkeypatch.setattr(norm_config, "TMA_PIPELINE", False)
+    assert not offered(4096)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
