@@ -35,7 +35,6 @@ Results go to ``DIR/autotune_llama8b.json``.
 
 import argparse
 import collections
-import functools
 import importlib.util
 import json
 import os
@@ -43,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -53,8 +52,6 @@ import torch
 import inductor_ext
 from inductor_ext.autotune.calls import OpCall
 from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.inputs import random_inputs
-from inductor_ext.autotune.timing import median_ms
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
 from inductor_ext.bench.harness import rel_err
@@ -236,11 +233,7 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
     autotuner picked while tuning over the fastest one's."""
     rows = []
     for call in calls:
-        family = call.family
-        fwd_args = random_inputs(family.fwd, call.args, torch.device("cuda"))
-        directions = (("fwd", family.fwd, fwd_args, family.run_fwd_direct),
-                      ("bwd", family.bwd, choice.capture_backward_args(family, fwd_args), family.run_bwd_direct))  # fmt: skip
-        for direction, op, args, direct in directions:
+        for op, args, direct in choice.call_directions(call.family, call.args, torch.device("cuda")):
             with record_autotuned_launches() as launches:
                 direct(*args)
             kernels = {kernel: (kernel_args, kwargs) for kernel, kernel_args, kwargs in launches}
@@ -251,17 +244,12 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
                 times = {}
                 for name, config in configs.items():
                     with force_launch_config(config):
-                        times[name] = median_ms(functools.partial(_run_unpacked, direct),
-                                                functools.partial(random_inputs, op, args))[0]  # fmt: skip
+                        times[name] = choice.time_direct(op, args, direct)[0]
                 best = min(times, key=times.__getitem__)
                 rows.append({"op": op._name, "signature": call.signature, "kernel": kernel.fn.__name__,
                              "configs": len(times), "picked": picked_name, "picked_ms": times[picked_name],
                              "best": best, "best_ms": times[best], "picked_over_best": times[picked_name] / times[best]})  # fmt: skip
     return rows
-
-
-def _run_unpacked(direct: Callable[..., Any], inputs: Sequence[Any]) -> Any:
-    return direct(*inputs)
 
 
 def _compile_cold_and_warm(scratch: str, save: Callable[[str, Any], None]) -> None:

@@ -13,19 +13,28 @@ nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 from torch._dynamo.utils import counters
+from torch._ops import OpOverload
 
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.kernel_configs import records as kernel_records
 from inductor_ext.autotune.timing import median_ms, meta_like, signature
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._library import DECOMPOSITIONS, FAMILIES, FAMILY_OF, DirectLaunch, OpFamily
+from inductor_ext.ops._library import (
+    DECOMPOSITIONS,
+    FAMILIES,
+    FAMILY_OF,
+    DirectLaunch,
+    OpFamily,
+    ensure_triton_allocator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,24 +161,31 @@ def measure_routes(
 def _measure_routes(
     family: OpFamily, meta_args: Sequence[Any], device: torch.device, options: BackendOptions
 ) -> list[RouteDecision]:
-    fwd_args = random_inputs(family.fwd, meta_args, device)
-    bwd_args = capture_backward_args(family, fwd_args)
+    ensure_triton_allocator()  # a fresh thread: Triton's allocator is per thread
     decisions = []
-    for op, args, direct in ((family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)):
-        def make_inputs(op: Any = op, args: Sequence[Any] = args) -> list[Any]:
-            return random_inputs(op, args)
-
-        def run_kernels(inputs: Sequence[Any], direct: Callable[..., Any] = direct) -> Any:
-            return direct(*inputs)
-
-        kernel_ms, kernel_spread = median_ms(run_kernels, make_inputs)
+    for op, args, direct in call_directions(family, meta_args, device):
+        kernel_ms, kernel_spread = time_direct(op, args, direct)
         compiled = compile_math(DECOMPOSITIONS[op], args, options)
-        inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
+        inductor_ms, inductor_spread = median_ms(compiled, functools.partial(random_inputs, op, args))
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(args), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
         ))  # fmt: skip
     return decisions
+
+
+def call_directions(
+    family: OpFamily, meta_args: Sequence[Any], device: torch.device
+) -> list[tuple[OpOverload, list[Any], Callable[..., Any]]]:
+    """A call's forward and backward on random inputs of its shapes: (op, arguments, direct launch) each."""
+    fwd_args = random_inputs(family.fwd, meta_args, device)
+    bwd_args = capture_backward_args(family, fwd_args)
+    return [(family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)]
+
+
+def time_direct(op: OpOverload, args: Sequence[Any], direct: Callable[..., Any]) -> tuple[float, float]:
+    """:func:`median_ms` of our kernels' direct launches for ``op`` on random inputs like ``args``."""
+    return median_ms(lambda inputs: direct(*inputs), functools.partial(random_inputs, op, args))
 
 
 class _RecordingContext:

@@ -90,7 +90,7 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 def ensure_triton_allocator() -> None:
     """Give Triton a scratch allocator where none is set (it raises on such kernels otherwise). Triton keeps
-    it in a context variable: per thread, so route timing's worker threads need their own call."""
+    it in a context variable, per thread: called on import and by route timing's worker thread."""
     if isinstance(triton_allocator.get(), NullAllocator):
         triton.set_allocator(_scratch)
 
@@ -123,6 +123,15 @@ def grid_stride_programs(device: torch.device, per_sm: int) -> int:
     return 4
 
 
+def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> list[triton.Config]:
+    """The configs ``kernel``'s autotuner times for this launch (its pruning applied)."""
+    kernel.nargs = dict(zip(kernel.arg_names, args))
+    try:
+        return kernel.prune_configs(kwargs)
+    finally:
+        kernel.nargs = None
+
+
 class TraceableLaunch:
     """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel.
 
@@ -153,9 +162,7 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
         return kernel
     if kernel.perf_model is not None:
         raise NotImplementedError("pruned_autotuner: kernels with a perf_model are not supported")
-    configs = kernel.configs
-    if kernel.early_config_prune is not None:
-        configs = kernel.early_config_prune(configs, dict(zip(kernel.arg_names, args)), **kwargs)
+    configs = candidate_configs(kernel, args, kwargs)
     if stored is not None and any(c.kwargs == stored.kwargs and c.num_warps == stored.num_warps for c in configs):
         configs = [stored]
     return triton.autotune(
@@ -185,10 +192,10 @@ class DirectLaunch:
             return
         if self.launch_log is not None:
             self.launch_log.append((kernel, tuple(args), dict(kwargs)))
-        ensure_triton_allocator()
         forced = self.forced_config and self._forced_config_for(kernel)  # (None unless forcing: no call)
         if forced or _INTERPRET:
-            meta = {**kwargs, **(forced or self._first_valid_config(kernel, args, kwargs))}
+            # under the interpreter (no timing): the heuristic's pick, the first valid config
+            meta = {**kwargs, **(forced or candidate_configs(kernel, args, kwargs)[0].all_kwargs())}
             kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
             return
         key = self._key(kernel, args, kwargs)
@@ -215,14 +222,6 @@ class DirectLaunch:
             return forced
         return None
 
-    @staticmethod
-    def _first_valid_config(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
-        configs = kernel.configs
-        if kernel.early_config_prune is not None:
-            configs = kernel.early_config_prune(configs, named)
-        return configs[0].all_kwargs()
-
 
 Launch = TraceableLaunch | DirectLaunch
 
@@ -235,15 +234,6 @@ def record_autotuned_launches() -> Iterator[list[tuple[Autotuner, tuple[Any, ...
         yield DirectLaunch.launch_log
     finally:
         DirectLaunch.launch_log = previous
-
-
-def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> list[triton.Config]:
-    """The configs ``kernel``'s autotuner times for this launch (its pruning applied)."""
-    kernel.nargs = dict(zip(kernel.arg_names, args))
-    try:
-        return kernel.prune_configs(kwargs)
-    finally:
-        kernel.nargs = None
 
 
 def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
