@@ -56,7 +56,7 @@ def main() -> None:
 
         def variants(forward: bool) -> list[tuple[str, dict]]:
             return [(f"{c} num_ctas={k}", {**c.to_triton().all_kwargs(), "num_ctas": k})
-                    for c in search_space(n, forward=forward, tma=True) for k in args.num_ctas]  # fmt: skip
+                    for c in search_space(n, forward=forward) for k in args.num_ctas]  # fmt: skip
 
         for name, config in variants(forward=True):
             with force_launch_config(config):

@@ -52,6 +52,7 @@ import torch
 import inductor_ext
 from inductor_ext.autotune.calls import OpCall
 from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
 from inductor_ext.bench.harness import rel_err
@@ -138,10 +139,11 @@ def _print_tuning(tuning: dict[str, Any]) -> None:
     print(f"\n(a) Llama-3-8B config, {batch} x {seq} tokens: trace {tuning['trace_s']:.1f} s, "
           f"tuning {tuning['tune_s']:.1f} s for {len(tuning['calls'])} calls")  # fmt: skip
     calls = [
-        (c["op"].removeprefix("fastops::"), c["signature"], f"{c['inputs_gib']:.3f}", f"{c['tune_s']:.1f}")
+        (c["op"].removeprefix("fastops::"), c["signature"], f"{c['inputs_gib']:.3f}", f"{c['peak_gib']:.3f}",
+         f"{c['tune_s']:.1f}")
         for c in tuning["calls"]
-    ]
-    print(tabulate(calls, headers=["op", "signature", "inputs GiB", "tune s"], disable_numparse=True))
+    ]  # fmt: skip
+    print(tabulate(calls, headers=["op", "signature", "inputs GiB", "peak GiB", "tune s"], disable_numparse=True))
     print(f"peak {tuning['peak_gib']:.3f} GiB - largest inputs {tuning['largest_inputs_gib']:.3f} GiB "
           f"= {tuning['peak_minus_largest_gib']:.3f} GiB (target: well under 1)", flush=True)  # fmt: skip
 
@@ -197,15 +199,15 @@ def _tune_llama_8b(batch: int, seq: int, layers: int, scratch: Path) -> tuple[di
     calls = calls_from_hf_config(config_dir, batch, seq, torch.bfloat16)
     trace_s = time.perf_counter() - start
     database, device, options = TuningDatabase(), torch.device("cuda"), BackendOptions()
-    torch.cuda.reset_peak_memory_stats()
     tuned: list[tuple[OpCall, Any]] = []
     rows: list[dict[str, Any]] = []
     for call in calls:
+        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         tuned.append((call, tune_calls([call], database, device, options)))
         rows.append({"op": call.op, "signature": call.signature, "inputs_gib": _input_bytes(call) / GIB,
-                     "tune_s": time.perf_counter() - start})  # fmt: skip
-    peak, largest = torch.cuda.max_memory_allocated() / GIB, max(map(_input_bytes, calls)) / GIB
+                     "tune_s": time.perf_counter() - start, "peak_gib": torch.cuda.max_memory_allocated() / GIB})  # fmt: skip
+    peak, largest = max(r["peak_gib"] for r in rows), max(map(_input_bytes, calls)) / GIB
     report = {"config": {**LLAMA_3_8B, "num_hidden_layers": layers}, "transformers": transformers.__version__,
               "tokens": [batch, seq], "trace_s": trace_s,
               "tune_s": sum(r["tune_s"] for r in rows), "calls": rows, "peak_gib": peak, "largest_inputs_gib": largest,
@@ -233,9 +235,10 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
     autotuner picked while tuning over the fastest one's."""
     rows = []
     for call in calls:
-        for op, args, direct in choice.call_directions(call.family, call.args, torch.device("cuda")):
+        device = torch.device("cuda")
+        for op, templates, direct in choice.call_directions(call.family, call.args, device):
             with record_autotuned_launches() as launches:
-                direct(*args)
+                direct(*random_inputs(op, templates, device))
             kernels = {kernel: (kernel_args, kwargs) for kernel, kernel_args, kwargs in launches}
             for kernel, (kernel_args, kwargs) in kernels.items():
                 picked = DirectLaunch._tuned[DirectLaunch._key(kernel, kernel_args, kwargs)]
@@ -244,7 +247,7 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
                 times = {}
                 for name, config in configs.items():
                     with force_launch_config(config):
-                        times[name] = choice.time_direct(op, args, direct)[0]
+                        times[name] = choice.time_direct(op, templates, direct, device)[0]
                 best = min(times, key=times.__getitem__)
                 rows.append({"op": op._name, "signature": call.signature, "kernel": kernel.fn.__name__,
                              "configs": len(times), "picked": picked_name, "picked_ms": times[picked_name],

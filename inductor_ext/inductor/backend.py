@@ -22,6 +22,7 @@ import torch
 from torch._dynamo import register_backend
 
 from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.inductor import upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
@@ -29,6 +30,8 @@ from inductor_ext.inductor.patterns import apply_rewrites
 from inductor_ext.ops._library import route_ops
 
 BACKEND_NAME = "fastops_inductor"
+
+upstream_fixes.apply()
 
 
 def fastops_inductor(

@@ -33,7 +33,6 @@ from inductor_ext.ops._library import (
     FAMILY_OF,
     DirectLaunch,
     OpFamily,
-    ensure_triton_allocator,
 )
 
 log = logging.getLogger(__name__)
@@ -161,15 +160,15 @@ def measure_routes(
 def _measure_routes(
     family: OpFamily, meta_args: Sequence[Any], device: torch.device, options: BackendOptions
 ) -> list[RouteDecision]:
-    ensure_triton_allocator()  # a fresh thread: Triton's allocator is per thread
     decisions = []
-    for op, args, direct in call_directions(family, meta_args, device):
-        kernel_ms, kernel_spread = time_direct(op, args, direct)
-        compiled = compile_math(DECOMPOSITIONS[op], args, options)
-        inductor_ms, inductor_spread = median_ms(compiled, functools.partial(random_inputs, op, args))
+    for op, templates, direct in call_directions(family, meta_args, device):
+        kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
+        make_inputs = functools.partial(random_inputs, op, templates, device)
+        compiled = compile_math(DECOMPOSITIONS[op], make_inputs(), options)
+        inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
-            op._name, signature(args), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
+            op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
         ))  # fmt: skip
     return decisions
 
@@ -177,15 +176,26 @@ def _measure_routes(
 def call_directions(
     family: OpFamily, meta_args: Sequence[Any], device: torch.device
 ) -> list[tuple[OpOverload, list[Any], Callable[..., Any]]]:
-    """A call's forward and backward on random inputs of its shapes: (op, arguments, direct launch) each."""
+    """A call's forward and backward: (op, argument templates, direct launch) each.
+
+    The templates hold meta tensors (shapes and dtypes); the backward's come from a forward on
+    random inputs, freed on return, so that no timing holds another direction's inputs.
+    """
     fwd_args = random_inputs(family.fwd, meta_args, device)
     bwd_args = capture_backward_args(family, fwd_args)
-    return [(family.fwd, fwd_args, family.run_fwd_direct), (family.bwd, bwd_args, family.run_bwd_direct)]
+    return [(family.fwd, _templates(fwd_args), family.run_fwd_direct),
+            (family.bwd, _templates(bwd_args), family.run_bwd_direct)]  # fmt: skip
 
 
-def time_direct(op: OpOverload, args: Sequence[Any], direct: Callable[..., Any]) -> tuple[float, float]:
-    """:func:`median_ms` of our kernels' direct launches for ``op`` on random inputs like ``args``."""
-    return median_ms(lambda inputs: direct(*inputs), functools.partial(random_inputs, op, args))
+def _templates(args: Sequence[Any]) -> list[Any]:
+    return [meta_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def time_direct(
+    op: OpOverload, templates: Sequence[Any], direct: Callable[..., Any], device: torch.device
+) -> tuple[float, float]:
+    """:func:`median_ms` of our kernels' direct launches for ``op`` on random inputs like ``templates``."""
+    return median_ms(lambda inputs: direct(*inputs), functools.partial(random_inputs, op, templates, device))
 
 
 class _RecordingContext:
@@ -237,7 +247,9 @@ def compile_math(math: Callable[..., Any], args: Sequence[Any], options: Backend
         return math(*full)
 
     tensors = [args[i] for i in positions]
-    gm = make_fx(with_tensors)(*tensors)
+    # traced on fake tensors: real ones would run the math, whose fp32 intermediates (softmax,
+    # one-hot, ...) took a cross-entropy backward's tuning to 4.25x its logits (8.3 GiB, H200)
+    gm = make_fx(with_tensors, tracing_mode="fake")(*tensors)
     # the wrapper language does not change the kernels being timed
     patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}
     compiled = cast(Callable[..., Any], compile_fx(gm, tensors, config_patches=patches))

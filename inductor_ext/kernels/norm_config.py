@@ -14,19 +14,12 @@ length argument ``N``:
   each program writes its fp32 partial rows (dw, db) once.
 * prefetch (backward, persistent): the next row block's loads are issued
   before this block's reductions.
-* TMA pipeline (RMSNorm backward only, ``PREFETCH = stages >= 2``): one row per step, viewed
-  as ``[N / 256, 256]`` tiles that the tensor-memory accelerator copies into shared memory
-  ``stages - 1`` rows ahead of the row being reduced (Triton's loop pipeliner), so a
-  program's next loads overlap its reductions without holding a second row in registers.
-  Rows of 4096-16384 elements, ``N % 256 == 0``, 2-byte dtypes, 16-byte aligned rows.
 
 Kernels use it as ``@triton.autotune(**autotune_kwargs(forward, key=[...]))``.
 """
 
 import dataclasses
-import os
 
-import torch
 import triton
 
 MAX_PERSISTENT_BLOCK = 32768
@@ -44,33 +37,18 @@ class NormConfig:
     prefetch: bool = False
     """Backward, persistent: load the next row block before reducing this one (more
     bytes in flight per program, more registers). The forward ignores it."""
-    tma_stages: int = 0
-    """RMSNorm backward: the TMA pipeline of this depth (2 or 3; 0: not used)."""
 
     def to_triton(self) -> triton.Config:
         kwargs = {"PERSISTENT": self.persistent, "BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
-        prefetch = self.tma_stages or int(self.prefetch)
-        return triton.Config({**kwargs, "PREFETCH": prefetch}, num_warps=self.num_warps)
+        return triton.Config({**kwargs, "PREFETCH": self.prefetch}, num_warps=self.num_warps)
 
     @classmethod
     def from_triton(cls, config: triton.Config) -> "NormConfig":
         kw = config.kwargs
-        prefetch = kw["PREFETCH"]
-        return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, prefetch == 1,
-                   prefetch if prefetch >= 2 else 0)  # fmt: skip
+        return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, bool(kw["PREFETCH"]))
 
 
-TMA_PIPELINE = os.environ.get("INDUCTOR_EXT_RMS_NORM_TMA", "0") == "1"
-"""Offer the TMA pipeline to the autotuner (``INDUCTOR_EXT_RMS_NORM_TMA=1``). Off by default until
-it has been measured and tested on the H200 (built in session 4 without a GPU); forcing a config
-(``force_launch_config``) reaches it either way."""
-
-TMA_MIN_N, TMA_MAX_N, TMA_TILE = 4096, 16384, 256
-"""Row lengths of the TMA pipeline (past 16384 its fp32 row and dw partial spill registers)
-and the width of its tiles (a TMA box is at most 256 elements wide)."""
-
-
-def search_space(n: int, forward: bool = True, tma: bool = False) -> list[NormConfig]:
+def search_space(n: int, forward: bool = True) -> list[NormConfig]:
     """Every config valid for rows of ``n`` elements, the heuristic's favourite first.
 
     Persistent (rows up to ``MAX_PERSISTENT_BLOCK``): 1-8 rows per step, 8-32 fp32
@@ -93,11 +71,7 @@ def search_space(n: int, forward: bool = True, tma: bool = False) -> list[NormCo
             persistent += [dataclasses.replace(c, prefetch=True) for c in persistent]
     chunks = (2048, 4096) if block <= MAX_PERSISTENT_BLOCK else (1024, 2048, 4096)
     looped = [NormConfig(False, 1, chunk, num_warps) for chunk in chunks if chunk < block for num_warps in (8, 16)]
-    pipelined = []
-    if tma and not forward and n % TMA_TILE == 0 and TMA_MIN_N <= n <= TMA_MAX_N:
-        # 2 stages: the next row lands in shared memory while this one is reduced; 3: two rows ahead
-        pipelined = [NormConfig(True, 1, block, w, tma_stages=s) for w in (8, 16) for s in (2, 3)]
-    return sorted(persistent + looped, key=lambda c: _heuristic_rank(c, block)) + pipelined
+    return sorted(persistent + looped, key=lambda c: _heuristic_rank(c, block))
 
 
 def _heuristic_rank(config: NormConfig, block: int) -> tuple[int, int, int, int]:
@@ -105,18 +79,6 @@ def _heuristic_rank(config: NormConfig, block: int) -> tuple[int, int, int, int]
     per_thread = config.block_m * config.block_n // (32 * config.num_warps)
     rows_wanted = max(1, 2048 // block)
     return (not config.persistent, abs(per_thread - 16), abs(config.block_m - rows_wanted), config.prefetch)
-
-
-def tma_ready(named_args: dict) -> bool:
-    """Whether a backward launch can take the TMA pipeline: 2-byte x, dy and dx whose rows start
-    16-byte aligned (storage offsets and row strides; allocations are 256-byte aligned), on a GPU
-    with TMA (sm_90+) or under the interpreter."""
-    tensors = [named_args[name] for name in ("X", "DY", "DX")]
-    strides = [named_args[name] for name in ("stride_x", "stride_dy", "stride_dx")]
-    if any(t.element_size() != 2 or t.storage_offset() % 8 for t in tensors) or any(s % 8 for s in strides):
-        return False
-    device = tensors[0].device
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def programs_per_sm(n: int) -> int:
@@ -135,7 +97,7 @@ def _all_configs() -> list[triton.Config]:
     seen: dict[NormConfig, None] = {}
     for log2 in range(18):
         for forward in (True, False):
-            seen.update(dict.fromkeys(search_space(2**log2, forward, tma=True)))
+            seen.update(dict.fromkeys(search_space(2**log2, forward)))
     return [c.to_triton() for c in seen]
 
 
@@ -151,19 +113,10 @@ def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs: obj
     return [c for c in configs if NormConfig.from_triton(c) in valid]
 
 
-def prune_backward_tma(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of a backward kernel with the TMA pipeline (RMSNorm): the configs in
-    ``search_space(N, forward=False, tma=...)``, TMA ones where :func:`tma_ready` says so and
-    :data:`TMA_PIPELINE` is on."""
-    valid = set(search_space(named_args["N"], forward=False, tma=TMA_PIPELINE and tma_ready(named_args)))
-    return [c for c in configs if NormConfig.from_triton(c) in valid]
-
-
-def autotune_kwargs(forward: bool, key: list[str], tma: bool = False) -> dict[str, object]:
-    """``@triton.autotune`` arguments: every config, pruned per call to the valid ones for ``N``
-    (with ``tma``, the backward also gets the TMA pipeline's where the launch allows it).
+def autotune_kwargs(forward: bool, key: list[str]) -> dict[str, object]:
+    """``@triton.autotune`` arguments: every config, pruned per call to the valid ones for ``N``.
 
     Only what Inductor accepts on a user kernel (configs, key, prune_configs_by).
     """
-    prune = prune_forward if forward else prune_backward_tma if tma else prune_backward
+    prune = prune_forward if forward else prune_backward
     return {"configs": _all_configs(), "key": key, "prune_configs_by": {"early_config_prune": prune}}

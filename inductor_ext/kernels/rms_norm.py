@@ -25,9 +25,6 @@ Two strategies per kernel, chosen by autotuning among
 * looped: the row is walked in ``BLOCK_N`` chunks twice (statistics, then
   output), one row per step; used for any N and the only option past
   32768.
-* backward only, TMA pipeline (``PREFETCH >= 2``, rows of 4096-16384 elements in
-  multiples of 256): persistent, one row per step, the next rows' tiles copied into
-  shared memory by TMA while this one is reduced (:func:`_bwd_rows_tma`).
 
 The forward runs one program per block of rows (per row, looped). The backward
 runs a fixed number of programs (:func:`~inductor_ext.kernels.norm_config.programs_per_sm` per SM) that stride
@@ -118,48 +115,7 @@ def _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
     return x, dy, rstd
 
 
-@triton.jit
-def _bwd_rows_tma(
-    DY, X, W, RSTD, DX, dw_row, stride_dy, stride_x, stride_dx, M, N, offset,
-    HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """The persistent backward, one row per step, rows as [N / 256, 256] tiles moved by TMA.
-
-    The loop over rows is software-pipelined by Triton (``STAGES`` deep): the TMA loads of
-    the next rows are in flight while this row is reduced, from shared memory, so the
-    program never waits on a row's full latency (the plain persistent kernel has one row in flight
-    per SM at N = 16384: no room in registers for a second). Rows past R = N / 256 tiles of the
-    padded ``[BLOCK_N / 256, 256]`` box read as zeros and are not written.
-    """
-    TILES: tl.constexpr = BLOCK_N // 256
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    tiles = N // 256
-    x_desc = tl.make_tensor_descriptor(X, shape=[M, tiles, 256], strides=[stride_x, 256, 1], block_shape=[1, TILES, 256])
-    dy_desc = tl.make_tensor_descriptor(DY, shape=[M, tiles, 256], strides=[stride_dy, 256, 1], block_shape=[1, TILES, 256])
-    dx_desc = tl.make_tensor_descriptor(DX, shape=[M, tiles, 256], strides=[stride_dx, 256, 1], block_shape=[1, TILES, 256])
-    cols = tl.arange(0, TILES)[:, None] * 256 + tl.arange(0, 256)[None, :]
-    col_mask = cols < N
-    w_eff = offset
-    if HAS_WEIGHT:
-        w_eff = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros([TILES, 256], dtype=tl.float32)
-    for row in tl.range(pid, M, num_programs, num_stages=STAGES):
-        x = x_desc.load([row, 0, 0]).reshape(TILES, 256).to(tl.float32)
-        dy = dy_desc.load([row, 0, 0]).reshape(TILES, 256).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        xhat = x * rstd
-        g = dy * w_eff if HAS_WEIGHT else dy
-        c1 = tl.sum(tl.sum(g * xhat, axis=1), axis=0) / N
-        dx = rstd * (g - xhat * c1)
-        dx_desc.store([row, 0, 0], dx.to(DX.dtype.element_ty).reshape(1, TILES, 256))
-        if HAS_WEIGHT:
-            dw_acc += dy * xhat
-    if HAS_WEIGHT:
-        tl.store(dw_row + cols, dw_acc, mask=col_mask)
-
-
-@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT"], tma=True))
+@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT"]))
 @triton.jit
 def rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
@@ -179,10 +135,7 @@ def rms_norm_bwd_kernel(
     num_programs = tl.num_programs(0)
     num_blocks = tl.cdiv(M, BLOCK_M)
     dw_row = DW_PARTIAL + tl.cast(pid, tl.int64) * N
-    if PREFETCH >= 2:
-        _bwd_rows_tma(DY, X, W, RSTD, DX, dw_row, stride_dy, stride_x, stride_dx, M, N, offset, HAS_WEIGHT, BLOCK_N,
-                      PREFETCH)  # fmt: skip
-    elif PERSISTENT:
+    if PERSISTENT:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         w_eff = offset

@@ -33,8 +33,6 @@ import torch
 import triton
 from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
-from triton.runtime._allocation import NullAllocator
-from triton.runtime._allocation import _allocator as triton_allocator
 from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
@@ -81,21 +79,6 @@ def route_ops(choose_math: MathRoute) -> Iterator[None]:
 
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch for kernels that build TMA descriptors on the device (RMSNorm's pipelined backward)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_triton_allocator() -> None:
-    """Give Triton a scratch allocator where none is set (it raises on such kernels otherwise). Triton keeps
-    it in a context variable, per thread: called on import and by route timing's worker thread."""
-    if isinstance(triton_allocator.get(), NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-ensure_triton_allocator()
 
 
 def interpreter_enabled() -> bool:

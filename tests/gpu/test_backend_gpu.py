@@ -114,3 +114,33 @@ def test_cpp_wrapper_auto_route():
     else:
         assert decided["fastops::rms_norm_fwd->inductor"] >= 1 and "rms_norm_fwd_kernel" not in source
     assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+
+
+_SECOND_PROCESS = """
+import torch, inductor_ext
+from torch._dynamo.utils import counters
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+module = LlamaRMSNorm(4096).cuda().to(torch.bfloat16)
+x = torch.randn(64, 512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options={"fastops.route": "inductor"})
+compiled(x).sum().backward()
+print("HITS", counters["inductor"]["fxgraph_cache_hit"])
+"""
+
+
+def test_second_process_loads_multi_kernels_from_the_fx_graph_cache(tmp_path):
+    """The second process to compile the same graph loads it, multi-kernels included, from the
+    FX-graph cache: torch 2.11 hands those kernels back without their JIT function's hash lock and
+    the multi-kernel's cache lookup raised (inductor/upstream_fixes.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "INDUCTOR_EXT_CACHE_DIR": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    hits = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        hits.append(int(run.stdout.split("HITS")[-1]))
+    assert hits[0] == 0 and hits[1] >= 1, hits

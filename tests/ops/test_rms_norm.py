@@ -54,46 +54,6 @@ def test_every_config_matches_float64(n):
             _check_against_float64((5, n), torch.float32)
 
 
-@pytest.mark.parametrize("n", [4096, 4352])
-def test_tma_pipelined_backward_matches_float64(n):
-    """The backward's TMA pipeline (rows as [N / 256, 256] tiles; 4352 = 17 tiles pads to a box of
-    32, whose extra tiles must read as zeros and never be written), with and without weight."""
-    configs = [c for c in search_space(n, forward=False, tma=True) if c.tma_stages]
-    assert {(c.num_warps, c.tma_stages) for c in configs} == {(8, 2), (8, 3), (16, 2), (16, 3)}
-    for config in configs[:1]:  # the interpreter runs every variant alike: one is enough
-        with force_launch_config(config.to_triton().all_kwargs()):
-            _check_against_float64((7, n), torch.bfloat16)
-            _check_against_float64((3, n), torch.bfloat16, with_weight=False)
-
-
-def test_tma_pipeline_is_offered_only_where_tma_can_read_the_rows(monkeypatch):
-    """With INDUCTOR_EXT_RMS_NORM_TMA=1, RMSNorm's backward gets the TMA configs for 2-byte rows of
-    4096-16384 elements (a multiple of 256) starting 16-byte aligned; LayerNorm's backward (no TMA
-    path) never does; without the switch, nothing does."""
-    from inductor_ext.kernels import norm_config
-    from inductor_ext.kernels.norm_config import NormConfig, prune_backward, prune_backward_tma
-
-    monkeypatch.setattr(norm_config, "TMA_PIPELINE", True)
-
-    def offered(n, dtype=torch.bfloat16, offset=0, stride=None):
-        storage = torch.empty(4 * n + offset, dtype=dtype)
-        x = storage[offset:offset + 4 * n].view(4, n)
-        stride = n if stride is None else stride
-        args = {"X": x, "DY": x, "DX": x, "stride_x": stride, "stride_dy": stride, "stride_dx": stride, "N": n}
-        configs = search_space(n, forward=False, tma=True)
-        tma_configs = [c.to_triton() for c in configs]
-        assert not any(NormConfig.from_triton(c).tma_stages for c in prune_backward(tma_configs, args))
-        return any(NormConfig.from_triton(c).tma_stages for c in prune_backward_tma(tma_configs, args))
-
-    assert offered(4096) and offered(16384) and offered(4352)
-    assert not offered(2048) and not offered(32768) and not offered(4100)  # size range, multiple of 256
-    assert not offered(4096, torch.float32)
-    assert not offered(4096, offset=4)  # rows start 8 bytes past an aligned address
-    assert not offered(4096, stride=4100)
-    monkeypatch.setattr(norm_config, "TMA_PIPELINE", False)
-    assert not offered(4096)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(5, 123), (2, 3, 257), (1, 4096), (9, 1000)], ids=str)
 def test_matches_float64(shape, dtype):
