@@ -12,6 +12,7 @@ is recorded as ``{"status": "untuned"}`` under its route key with device ``"cpu"
 so ``show`` lists what a GPU run would tune.
 """
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,8 @@ from inductor_ext.inductor.options import BackendOptions
 
 UNTUNED = {"status": "untuned"}
 
+log = logging.getLogger(__name__)
+
 
 def record_untuned(calls: Sequence[OpCall], database: TuningDatabase) -> None:
     """Record ``calls`` as untuned CPU entries, in one database write."""
@@ -31,10 +34,15 @@ def record_untuned(calls: Sequence[OpCall], database: TuningDatabase) -> None:
 
 
 def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions) -> list[RouteDecision]:
-    """Decisions (forward and backward) for every call on ``device``, a GPU."""
+    """Decisions (forward and backward) for every call on ``device``, a GPU. A call whose
+    random inputs do not fit in the GPU's free memory is skipped with a warning (nothing stored)."""
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device to time on, got {device}")
     decisions: list[RouteDecision] = []
     for call in progress(calls, "tuning"):
-        decisions.extend(decide_routes(call.family, call.args, options, database, device))
+        try:
+            decisions.extend(decide_routes(call.family, call.args, options, database, device))
+        except torch.OutOfMemoryError as error:
+            torch.cuda.empty_cache()
+            log.warning("out of GPU memory tuning %s%s, skipped: %s", call.op, call.signature, str(error).splitlines()[0])
     return decisions

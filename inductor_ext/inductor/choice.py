@@ -92,7 +92,15 @@ class RoutePlanner:
         if args[0].device.type != "cuda":
             self._record(RouteDecision(fwd_name, sig, "inductor", "cpu"))
             return
-        for decision in decide_routes(family, args, self.options, self.database, args[0].device):
+        try:
+            decisions = decide_routes(family, args, self.options, self.database, args[0].device)
+        except torch.OutOfMemoryError:
+            # the timing's random inputs did not fit beside what the process already holds
+            torch.cuda.empty_cache()
+            log.warning("fastops_inductor: out of GPU memory while timing the routes of %s%s; using our kernels "
+                        "untimed (tune it beforehand with python -m inductor_ext.autotune)", fwd_name, sig)  # fmt: skip
+            decisions = [RouteDecision(fwd_name, sig, "kernel", "untimed: out of GPU memory")]
+        for decision in decisions:
             self._record(decision)
 
     def traces_math(self, qualname: str, args: Sequence[Any]) -> bool:

@@ -468,3 +468,24 @@ def test_symbolic_launch_keys_have_no_stored_config():
     v = ShapeEnv().create_unbacked_symint()
     assert launch_signature(kernel, args, kwargs) is not None
     assert launch_signature(kernel, (*args[:8], v, *args[9:]), kwargs) is None
+
+
+def test_tuning_skips_a_call_that_runs_out_of_gpu_memory(monkeypatch, tmp_path, caplog):
+    """One call too large for the GPU's free memory is skipped with a warning; the others are tuned."""
+    from inductor_ext.autotune import tune
+    from inductor_ext.autotune.calls import meta_call
+    from inductor_ext.inductor.choice import RouteDecision
+    from inductor_ext.inductor.options import BackendOptions
+    from inductor_ext.ops.rms_norm import rms_norm_family
+
+    def decide(family, args, options, database, device):
+        if args[0].shape[0] > 1000:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return [RouteDecision(family.fwd._name, signature(args), "kernel", "measured")]
+
+    monkeypatch.setattr(tune, "decide_routes", decide)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    calls = [meta_call(rms_norm_family, (torch.empty(rows, 64), torch.empty(64), 1e-6, 0.0, "llama")) for rows in (8, 4096)]
+    decisions = tune.tune_calls(calls, TuningDatabase(tmp_path / "db.json"), torch.device("cuda"), BackendOptions())
+    assert [d.signature for d in decisions] == [calls[0].signature]
+    assert "out of GPU memory tuning fastops::rms_norm_fwd(float32[4096,64]" in caplog.text

@@ -246,6 +246,30 @@ def test_kernels_from_the_fx_graph_cache_get_their_hash_lock_back():
         pass
 
 
+def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplog):
+    """Route timing allocates random inputs beside whatever the process holds (a training step's
+    weights and activations): running out of GPU memory there must not fail the compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_ext.inductor import choice
+    from inductor_ext.ops.rms_norm import rms_norm_family
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(choice, "decide_routes", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with FakeTensorMode():  # shapes on a "cuda" device, no GPU needed
+        x, w = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16), torch.empty(256, device="cuda", dtype=torch.bfloat16)
+    args = (x, w, 1e-6, 0.0, "llama")
+    planner = choice.RoutePlanner(BackendOptions())
+    planner.plan_call(rms_norm_family, args)
+    (decision,) = planner.decisions.values()
+    assert (decision.route, decision.reason) == ("kernel", "untimed: out of GPU memory")
+    assert not planner.traces_math("fastops::rms_norm_fwd", args)
+    assert "out of GPU memory" in caplog.text
+
+
 def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch):
     """measure_routes is called from within a backend (Dynamo's tracing context and fake tensors
     active): it must build real inputs, run the kernels, compile the math with Inductor and time
