@@ -55,7 +55,7 @@ from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.bench.harness import rel_err
+from inductor_ext.bench.harness import rel_err, show_route_timing
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
+    show_route_timing()
     if args.phase is not None:
         return _compile_phase(args.phase)
     if "b" in args.parts and "a" not in args.parts:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from inductor_ext.bench.harness import do_bench_median, interleaved_graph_ms
+from inductor_ext.bench.harness import do_bench_median, interleaved_graph_ms, show_route_timing
 from inductor_ext.bench.llama import LlamaStyleDecoder
 
 ROUTES = ("auto", "kernel", "inductor")
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
+    show_route_timing()
     from tabulate import tabulate
 
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ one set would fit in L2.
 
 import dataclasses
 import json
+import logging
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +54,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64: the numerics check the benchmarks and sweeps print (a host sync)."""
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def show_route_timing() -> None:
+    """Print the backend's route decisions and what each route timing spent, per stage (the INFO
+    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes."""
+    logger = logging.getLogger("inductor_ext.inductor.choice")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, float, float]:

@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -169,15 +170,25 @@ def _measure_routes(
     family: OpFamily, meta_args: Sequence[Any], device: torch.device, options: BackendOptions
 ) -> list[RouteDecision]:
     decisions = []
-    for op, templates, direct in call_directions(family, meta_args, device):
+    start = time.perf_counter()
+    directions = call_directions(family, meta_args, device)  # our kernels' first launches: compile and tune
+    stages = {"first launches": time.perf_counter() - start}
+    for op, templates, direct in directions:
+        start = time.perf_counter()
         kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         make_inputs = functools.partial(random_inputs, op, templates, device)
+        stages[f"{op._name} kernel timing"] = time.perf_counter() - start
+        start = time.perf_counter()
         compiled = compile_math(DECOMPOSITIONS[op], make_inputs(), options)
+        stages[f"{op._name} inductor compile"] = time.perf_counter() - start
+        start = time.perf_counter()
         inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
+        stages[f"{op._name} inductor timing"] = time.perf_counter() - start
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
         ))  # fmt: skip
+    log.info("route timing of %s, seconds: %s", family.name, ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     return decisions
 
 
