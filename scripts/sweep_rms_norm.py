@@ -2,13 +2,11 @@
 shapes, each checked against the aten math, next to torch.compile of the HF reference; Inductor's
 generated kernels are written to $OUT for comparison.
 
-    PYTHONPATH=$PWD python scripts/sweep_rms_norm.py [--out DIR] [--shapes 4096x16384 ...] [--num-ctas 1 2]
+    PYTHONPATH=$PWD python scripts/sweep_rms_norm.py [--out DIR] [--shapes 4096x16384 ...]
 
-``--num-ctas 2`` also tries each config as a thread-block cluster of two CTAs sharing the row
-(Hopper; Triton splits the row across the cluster and reduces through distributed shared
-memory): the candidate fix for the register-bound backward at 16384-wide rows. Inductor takes
-``num_ctas`` inside an autotune config of a user kernel (only a ``num_ctas`` launch argument is
-refused: torch/_higher_order_ops/triton_kernel_wrap.py), so a winner can join the search space.
+Thread-block clusters (``num_ctas=2``, two CTAs sharing a row) are not offered: Triton 3.6
+fails to compile the backward with them for sm_90 (``TritonGPUPlanCTAPass``; checked with
+``triton.compile(..., target=GPUTarget("cuda", 90, 32), options={"num_ctas": 2})``).
 """
 
 # ruff: noqa: B023  (every closure here runs within the loop iteration that defines it)
@@ -33,7 +31,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("sweep"))
     parser.add_argument("--shapes", nargs="*", default=None, help="MxN (default: the benchmark's shapes)")
-    parser.add_argument("--num-ctas", type=int, nargs="*", default=[1], help="cluster sizes to try (default: 1)")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     args.out.mkdir(parents=True, exist_ok=True)
@@ -55,8 +52,7 @@ def main() -> None:
             print(f"{row['shape']:12s} {kind:4s} {ms:.4f} ms {row['copy_fraction']:6.1%} err {err:.1e} {config}")
 
         def variants(forward: bool) -> list[tuple[str, dict]]:
-            return [(f"{c} num_ctas={k}", {**c.to_triton().all_kwargs(), "num_ctas": k})
-                    for c in search_space(n, forward=forward) for k in args.num_ctas]  # fmt: skip
+            return [(str(c), c.to_triton().all_kwargs()) for c in search_space(n, forward=forward)]
 
         for name, config in variants(forward=True):
             with force_launch_config(config):
