@@ -12,6 +12,7 @@ nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -170,26 +171,31 @@ def _measure_routes(
     family: OpFamily, meta_args: Sequence[Any], device: torch.device, options: BackendOptions
 ) -> list[RouteDecision]:
     decisions = []
-    start = time.perf_counter()
-    directions = call_directions(family, meta_args, device)  # our kernels' first launches: compile and tune
-    stages = {"first launches": time.perf_counter() - start}
+    stages: dict[str, float] = {}
+    with _stage(stages, "first launches"):  # our kernels': compile and tune
+        directions = call_directions(family, meta_args, device)
     for op, templates, direct in directions:
-        start = time.perf_counter()
-        kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         make_inputs = functools.partial(random_inputs, op, templates, device)
-        stages[f"{op._name} kernel timing"] = time.perf_counter() - start
-        start = time.perf_counter()
-        compiled = compile_math(DECOMPOSITIONS[op], make_inputs(), options)
-        stages[f"{op._name} inductor compile"] = time.perf_counter() - start
-        start = time.perf_counter()
-        inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
-        stages[f"{op._name} inductor timing"] = time.perf_counter() - start
+        with _stage(stages, f"{op._name} kernel timing"):
+            kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
+        with _stage(stages, f"{op._name} inductor compile"):
+            compiled = compile_math(DECOMPOSITIONS[op], make_inputs(), options)
+        with _stage(stages, f"{op._name} inductor timing"):
+            inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
         ))  # fmt: skip
     log.info("route timing of %s, seconds: %s", family.name, ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     return decisions
+
+
+@contextlib.contextmanager
+def _stage(stages: dict[str, float], name: str) -> Iterator[None]:
+    """Records the block's wall time in seconds as ``stages[name]``."""
+    start = time.perf_counter()
+    yield
+    stages[name] = time.perf_counter() - start
 
 
 def call_directions(
