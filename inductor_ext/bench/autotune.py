@@ -55,7 +55,7 @@ from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.bench.harness import rel_err, show_route_timing
+from inductor_ext.bench.harness import model_bench_parser, parse_on_gpu, rel_err, show_route_timing
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
@@ -89,18 +89,12 @@ def block(spelling: str = "hf") -> tuple[torch.nn.Module, list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench autotune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--batch", type=int, default=1, help="(a) tokens per step: batch")
-    parser.add_argument("--seq", type=int, default=4096, help="(a) tokens per step: sequence length")
-    parser.add_argument("--layers", type=int, default=1, help="(a) num_hidden_layers (does not change the shapes)")
+    # --batch, --seq, --layers apply to (a); --layers does not change the shapes
+    parser = model_bench_parser("python -m inductor_ext.bench autotune", __doc__, layers=1, batch=1, seq=4096)
     parser.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["a", "b", "c"],
                         help="which measurements to make ((b) needs (a))")  # fmt: skip
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # (c): one compile, in a child process
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU")
+    args = parse_on_gpu(parser, argv)
     show_route_timing()
     if args.phase is not None:
         return _compile_phase(args.phase)

@@ -9,18 +9,22 @@ ratio to ``torch.compile`` taken per round, so drift cancels), the stream median
 included), and, for the backend, the route each fastops op took. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
 """
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
-from inductor_ext.bench.harness import do_bench_median, interleaved_graph_ms, show_route_timing
+from inductor_ext.bench.harness import (
+    do_bench_median,
+    interleaved_graph_ms,
+    model_bench_parser,
+    parse_on_gpu,
+    show_route_timing,
+)
 from inductor_ext.bench.llama import LlamaStyleDecoder
 
 ROUTES = ("auto", "kernel", "inductor")
@@ -31,15 +35,9 @@ def _step(fn: Any, x: torch.Tensor, params: Sequence[torch.Tensor], dy: torch.Te
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench backend", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--layers", type=int, default=4)
+    parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=2048)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU")
+    args = parse_on_gpu(parser, argv)
     show_route_timing()
     from tabulate import tabulate
 

@@ -9,7 +9,6 @@ this process, plus the C++ runner's median (its own process, one-element device 
 Outputs are checked against a float32 copy of the model.
 """
 
-import argparse
 import functools
 import json
 import tempfile
@@ -20,19 +19,13 @@ from pathlib import Path
 import torch
 
 import inductor_ext
-from inductor_ext.bench.harness import do_bench_median, rel_err
+from inductor_ext.bench.harness import do_bench_median, model_bench_parser, parse_on_gpu, rel_err
 from inductor_ext.bench.llama import LlamaStyleDecoder
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench.export", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("this benchmark needs a CUDA GPU")
+    parser = model_bench_parser("python -m inductor_ext.bench export", __doc__, layers=4, batch=4, seq=1024)
+    args = parse_on_gpu(parser, argv)
     from tabulate import tabulate
 
     from inductor_ext.cpp_runner import run_package

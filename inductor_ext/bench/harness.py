@@ -6,6 +6,7 @@ bytes read plus bytes written). Inputs are rotated among several copies when
 one set would fit in L2.
 """
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -54,6 +55,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64: the numerics check the benchmarks and sweeps print (a host sync)."""
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def model_bench_parser(prog: str, description: str | None, *, layers: int, batch: int, seq: int) -> argparse.ArgumentParser:
+    """The arguments every model-level benchmark takes (``--out``, ``--layers``, ``--batch``,
+    ``--seq``), with that benchmark's defaults; it adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON")
+    parser.add_argument("--layers", type=int, default=layers, help="decoder layers")
+    parser.add_argument("--batch", type=int, default=batch, help="tokens per step: batch")
+    parser.add_argument("--seq", type=int, default=seq, help="tokens per step: sequence length")
+    return parser
+
+
+def parse_on_gpu(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; a usage error on a machine without a CUDA GPU."""
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    return args
 
 
 def show_route_timing() -> None:
