@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import meta_like, signature
+from inductor_ext.autotune.timing import meta_templates, signature
 from inductor_ext.ops._library import FAMILIES, OpFamily
 
 
@@ -49,7 +49,7 @@ class OpCall:
 def meta_call(family: OpFamily, values: Iterable[Any]) -> OpCall:
     """An :class:`OpCall` from example values (fake, meta or real tensors; symbolic sizes at their hints)."""
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        args = tuple(meta_like(v) if isinstance(v, torch.Tensor) else v for v in values)
+        args = tuple(meta_templates(list(values)))
     return OpCall(family, args)
 
 

@@ -28,6 +28,11 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty([int(s) for s in hints if s is not None], dtype=t.dtype, device="meta")
 
 
+def meta_templates(args: Sequence[Any]) -> list[Any]:
+    """``args`` with every tensor replaced by :func:`meta_like` (shapes and dtypes, no storage)."""
+    return [meta_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def signature(args: Sequence[Any]) -> str:
     """A stable text key of an op call: dtypes and shapes of tensors (hints for symbolic sizes), other values."""
     parts = []

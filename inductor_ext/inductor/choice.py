@@ -27,7 +27,7 @@ from torch._ops import OpOverload
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.kernel_configs import records as kernel_records
-from inductor_ext.autotune.timing import median_ms, meta_like, signature
+from inductor_ext.autotune.timing import median_ms, meta_templates, signature
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import (
     DECOMPOSITIONS,
@@ -161,7 +161,7 @@ def measure_routes(
     and an independent Inductor compile of the math.
     """
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        meta_args = [meta_like(a) if isinstance(a, torch.Tensor) else a for a in fake_args]
+        meta_args = meta_templates(fake_args)
     device = device if device is not None else fake_args[0].device
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(_measure_routes, family, meta_args, device, options).result()
@@ -208,12 +208,8 @@ def call_directions(
     """
     fwd_args = random_inputs(family.fwd, meta_args, device)
     bwd_args = capture_backward_args(family, fwd_args)
-    return [(family.fwd, _templates(fwd_args), family.run_fwd_direct),
-            (family.bwd, _templates(bwd_args), family.run_bwd_direct)]  # fmt: skip
-
-
-def _templates(args: Sequence[Any]) -> list[Any]:
-    return [meta_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+    return [(family.fwd, meta_templates(fwd_args), family.run_fwd_direct),
+            (family.bwd, meta_templates(bwd_args), family.run_bwd_direct)]  # fmt: skip
 
 
 def time_direct(
