@@ -11,6 +11,22 @@ def run_and_get_joined_code(fn, *args):
     return result, "\n".join(codes)
 
 
+def record_benchmarked_kernels(monkeypatch) -> list[str]:
+    """The names of the kernels Inductor benchmarks (``CachingAutotuner.benchmark_all_configs``)
+    from now on, in order, for the rest of the test."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    names: list[str] = []
+    original = CachingAutotuner.benchmark_all_configs
+
+    def counting(self, *a, **kw):
+        names.append(self.fn.__name__)
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
+    return names
+
+
 def compile_with_cpp_wrapper_counting_tuning(monkeypatch, fn, args, kernel_name):
     """Compile ``fn`` with ``cpp_wrapper`` and compile-time autotuning, run it twice on ``args``.
 
@@ -18,16 +34,7 @@ def compile_with_cpp_wrapper_counting_tuning(monkeypatch, fn, args, kernel_name)
     tuned while compiling, and that running the compiled C++ wrapper tunes nothing.
     Returns the outputs of the first and the second call.
     """
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    tuned = []
-    original = CachingAutotuner.benchmark_all_configs
-
-    def counting(self, *a, **kw):
-        tuned.append(self.fn.__name__)
-        return original(self, *a, **kw)
-
-    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
+    tuned = record_benchmarked_kernels(monkeypatch)
     compiled = torch.compile(fn, fullgraph=True)
     torch._dynamo.reset()
     with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True}):

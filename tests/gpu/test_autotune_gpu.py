@@ -3,14 +3,13 @@ times nothing (no route timing, no kernel benchmarking) and launches the recorde
 
 import pytest
 import torch
-from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
 import inductor_ext  # noqa: F401  (registers the ops and the backend)
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.rms_norm import rms_norm_family, rms_norm_ref
-from tests.gpu.compile_checks import run_and_get_joined_code
+from tests.gpu.compile_checks import record_benchmarked_kernels, run_and_get_joined_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,14 +23,7 @@ def test_warm_database_compiles_with_no_timing_and_the_recorded_config(monkeypat
     configs = [k for k, _ in TuningDatabase().items() if k.startswith("config|rms_norm_fwd_kernel")]
     assert configs, list(dict(TuningDatabase().items()))
 
-    timed: list[str] = []
-    benchmark_all_configs = CachingAutotuner.benchmark_all_configs
-
-    def counting(self, *args, **kwargs):
-        timed.append(self.fn.__name__)
-        return benchmark_all_configs(self, *args, **kwargs)
-
-    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", counting)
+    timed = record_benchmarked_kernels(monkeypatch)
     monkeypatch.setattr(choice, "measure_routes", lambda *a, **k: timed.append("route timing") or [])
     torch._dynamo.reset()
     compiled = torch.compile(
