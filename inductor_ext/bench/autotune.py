@@ -55,7 +55,15 @@ from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.bench.harness import model_bench_parser, parse_on_gpu, rel_err, show_route_timing
+from inductor_ext.bench.harness import (
+    fresh_cache_env,
+    model_bench_parser,
+    parse_on_gpu,
+    print_child_result,
+    rel_err,
+    run_child,
+    show_route_timing,
+)
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
@@ -77,7 +85,6 @@ PHASES = {"cpp_wrapper": "hf", "aoti_export": "fastops"}
 TIMING_RUNS = ("route", "ours", "inductor", "multi_kernel")
 """What (c) counts: route timings, ``benchmark_all_configs`` of our kernels and of Inductor's, multi-kernel picks."""
 
-_RESULT = "AUTOTUNE_BENCH_RESULT "
 GIB = 2**30
 
 
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = model_bench_parser("python -m inductor_ext.bench autotune", __doc__, layers=1, batch=1, seq=4096)
     parser.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["a", "b", "c"],
                         help="which measurements to make ((b) needs (a))")  # fmt: skip
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="(c): which compiles")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # (c): one compile, in a child process
     args = parse_on_gpu(parser, argv)
     show_route_timing()
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="autotune_bench_") as scratch:
         if "a" in args.parts:
-            with mock.patch.dict(os.environ, _fresh_caches(scratch, tempfile.mkdtemp(dir=scratch))):
+            with mock.patch.dict(os.environ, fresh_cache_env(scratch, tempfile.mkdtemp(dir=scratch))):
                 tuning, tuned = _tune_llama_8b(args.batch, args.seq, args.layers, Path(scratch))
                 save("tuning", tuning)
                 _print_tuning(tuning)
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     _print_config_rechecks(report["config_rechecks"])
             torch.cuda.empty_cache()  # the compile processes get the whole GPU
         if "c" in args.parts:
-            _compile_cold_and_warm(scratch, save)
+            _compile_cold_and_warm(scratch, args.phases, save)
     return 0
 
 
@@ -170,13 +178,6 @@ def _print_compile(phase: str, result: dict[str, Any]) -> None:
     print(f"(c) {phase}: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s, warm/cold "
           f"{result['warm_over_cold']:.2f} (target <= 0.70); timing runs {'/'.join(TIMING_RUNS)}: "
           f"cold {_timing_runs(cold)}, warm {_timing_runs(warm)}", flush=True)  # fmt: skip
-
-
-def _fresh_caches(scratch: str, tuning_dir: str) -> dict[str, str]:
-    """Environment for empty Inductor and Triton caches (nothing compiled before is reused), and
-    the tuning database in ``tuning_dir``."""
-    return {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch), "TRITON_CACHE_DIR": tempfile.mkdtemp(dir=scratch),
-            "INDUCTOR_EXT_CACHE_DIR": tuning_dir}  # fmt: skip
 
 
 def _input_bytes(call: OpCall) -> int:
@@ -250,18 +251,18 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
     return rows
 
 
-def _compile_cold_and_warm(scratch: str, save: Callable[[str, Any], None]) -> None:
+def _compile_cold_and_warm(scratch: str, phases: list[str], save: Callable[[str, Any], None]) -> None:
     """(c): fill a warm database for the block, then each compile phase in fresh processes, cold and warm."""
     warm_db = tempfile.mkdtemp(dir=scratch)
     start = time.perf_counter()
     tune = [sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "inductor_ext.bench.autotune:block",
             "--no-grad"]  # fmt: skip
-    subprocess.run(tune, env={**os.environ, **_fresh_caches(scratch, warm_db)}, check=True)
+    subprocess.run(tune, env={**os.environ, **fresh_cache_env(scratch, warm_db)}, check=True)
     report: dict[str, Any] = {"block": {**BLOCK, "input": BLOCK_INPUT}, "warm_db_tune_s": time.perf_counter() - start,
                               "phases": {}}  # fmt: skip
     print(f"\n(c) block {BLOCK} on {BLOCK_INPUT}, one fresh process per compile; "
           f"warm database filled in {report['warm_db_tune_s']:.1f} s", flush=True)  # fmt: skip
-    for phase in PHASES:
+    for phase in phases:
         cold = _run_phase(phase, scratch, tempfile.mkdtemp(dir=scratch))
         warm = _run_phase(phase, scratch, warm_db)
         report["phases"][phase] = {"cold": cold, "warm": warm, "warm_over_cold": warm["seconds"] / cold["seconds"]}
@@ -270,14 +271,9 @@ def _compile_cold_and_warm(scratch: str, save: Callable[[str, Any], None]) -> No
 
 
 def _run_phase(phase: str, scratch: str, tuning_dir: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "inductor_ext.bench", "autotune", "--phase", phase]
     print(f"{phase} compile, tuning database {tuning_dir} ...", flush=True)
-    env = {**os.environ, **_fresh_caches(scratch, tuning_dir)}
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
-    results = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
-    if proc.returncode != 0 or not results:
-        raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its stdout:\n{proc.stdout[-4000:]}")
-    return json.loads(results[-1].removeprefix(_RESULT))
+    command = [sys.executable, "-m", "inductor_ext.bench", "autotune", "--phase", phase]
+    return run_child(command, fresh_cache_env(scratch, tuning_dir))
 
 
 def _timing_runs(result: dict[str, Any]) -> str:
@@ -305,7 +301,7 @@ def _compile_phase(phase: str) -> int:
             result["rel_err_vs_eager"] = rel_err(out, model(x))
     result["timing_runs"] = {k: sum(runs[k].values()) for k in TIMING_RUNS}
     result["timed"] = {k: dict(v) for k, v in runs.items()}
-    print(_RESULT + json.dumps(result), flush=True)
+    print_child_result(result)
     return 0
 
 

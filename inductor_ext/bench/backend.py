@@ -3,14 +3,22 @@ an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.l
 forward+backward, side by side: eager, ``torch.compile`` default, and
 ``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).
 
-Per provider: compile time (the first step, wall clock), GPU time per step from CUDA-graph
+Per provider: compile time (the first step's wall clock, each in a fresh process with empty
+Inductor and Triton caches and an empty tuning database, so that no provider inherits another's
+compiled kernels or the process's start-up costs; ``auto`` once more with the database its
+first process filled: a restart's compile), GPU time per step from CUDA-graph
 replay (host cost excluded; every provider's graph replayed in turn over 40 rounds, and the
 ratio to ``torch.compile`` taken per round, so drift cancels), the stream median (host
-included), and, for the backend, the route each fastops op took. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
+included), the profiler's GPU time per step in GEMMs, attention and all other kernels (the
+others are where our ops act: GEMM time alone varies by about 1% between compiled graphs), and,
+for the backend, the route each fastops op took. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
 """
 
+import argparse
 import json
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +28,14 @@ from torch._dynamo.utils import counters
 
 from inductor_ext.bench.harness import (
     do_bench_median,
+    fresh_cache_env,
     interleaved_graph_ms,
+    kernel_us,
+    kernel_us_by_class,
     model_bench_parser,
     parse_on_gpu,
+    print_child_result,
+    run_child,
     show_route_timing,
 )
 from inductor_ext.bench.llama import LlamaStyleDecoder
@@ -34,42 +47,82 @@ def _step(fn: Any, x: torch.Tensor, params: Sequence[torch.Tensor], dy: torch.Te
     return lambda: torch.autograd.grad(fn(x), (x, *params), dy)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
-    parser.add_argument("--hidden", type=int, default=4096)
-    args = parse_on_gpu(parser, argv)
-    show_route_timing()
-    from tabulate import tabulate
+def _provider(name: str, model: torch.nn.Module) -> Any:
+    if name == "eager":
+        return model
+    if name == "torch_compile":
+        return torch.compile(model)
+    route = name.removeprefix("fastops_")
+    return torch.compile(model, backend="fastops_inductor", options={"fastops.route": route})
 
+
+def _setup(args: Any) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     hidden = args.hidden
     model = LlamaStyleDecoder(
         hidden=hidden, heads=hidden // 128, kv_heads=max(1, hidden // 512), intermediate=hidden * 7 // 2,
         layers=args.layers, spelling="hf",
     ).cuda().to(torch.bfloat16)  # fmt: skip
-    params = list(model.parameters())
     x = torch.randn(args.batch, args.seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    providers: dict[str, Any] = {"eager": model, "torch_compile": torch.compile(model)}
-    for route in ROUTES:
-        options: dict[str, Any] = {"fastops.route": route}
-        providers[f"fastops_{route}"] = torch.compile(model, backend="fastops_inductor", options=options)
+    return model, list(model.parameters()), x, torch.randn_like(x)
+
+
+def _first_step_s(name: str, args: Any) -> float:
+    """Wall seconds of ``name``'s first step (its compile) in this process."""
+    model, params, x, dy = _setup(args)
+    step = _step(_provider(name, model), x, params, dy)
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _compile_times(args: Any) -> dict[str, float]:
+    """First-step seconds of each compiled provider, each in a fresh process (:func:`fresh_cache_env`);
+    ``fastops_auto_warm_db`` reuses the tuning database ``fastops_auto``'s process filled."""
+    command = [sys.executable, "-m", "inductor_ext.bench", "backend", "--layers", str(args.layers),
+               "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden), "--first-step"]  # fmt: skip
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="backend_bench_") as scratch:
+        auto_db = tempfile.mkdtemp(dir=scratch)
+        for name in ("torch_compile", *(f"fastops_{route}" for route in ROUTES), "fastops_auto_warm_db"):
+            tuning_dir = auto_db if name.startswith("fastops_auto") else tempfile.mkdtemp(dir=scratch)
+            provider = name.removesuffix("_warm_db")
+            seconds[name] = run_child([*command, provider], fresh_cache_env(scratch, tuning_dir))["seconds"]
+            print(f"{name}: first step (compile) {seconds[name]:.1f} s in a fresh process", flush=True)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--first-step", help=argparse.SUPPRESS)  # a child process: one provider's compile time
+    args = parse_on_gpu(parser, argv)
+    show_route_timing()
+    if args.first_step is not None:
+        print_child_result({"seconds": _first_step_s(args.first_step, args)})
+        return 0
+    from tabulate import tabulate
+
+    compile_s = _compile_times(args)
+    model, params, x, dy = _setup(args)
+    providers = {name: _provider(name, model) for name in ("eager", "torch_compile", *(f"fastops_{r}" for r in ROUTES))}
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-        "hidden": hidden, "shape": [args.batch, args.seq], "providers": {},
+        "hidden": args.hidden, "shape": [args.batch, args.seq], "providers": {},
+        "first_step_s_fresh_process": compile_s,
     }  # fmt: skip
     steps = {}
     for name, fn in providers.items():
         counters["inductor_ext"].clear()
         steps[name] = step = _step(fn, x, params, dy)
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        first_s = time.perf_counter() - start
+        step()  # compiles (the compile times above come from fresh processes)
         stream_ms, _, _ = do_bench_median(step)
         routes = {k: v for k, v in counters["inductor_ext"].items() if "->" in k}
-        report["providers"][name] = {"first_step_s": first_s, "ms_stream": stream_ms, "routes": routes}
-        print(f"{name}: first step {first_s:.1f} s, {stream_ms:.3f} ms (stream)", flush=True)
+        kernels = kernel_us(step)
+        report["providers"][name] = {"ms_stream": stream_ms, "routes": routes,
+                                     "kernel_us_by_class": kernel_us_by_class(kernels), "kernel_us": kernels}  # fmt: skip
+        print(f"{name}: {stream_ms:.3f} ms (stream)", flush=True)
     # GPU time: every provider's CUDA graph replayed in turn, 40 rounds; ratios to torch.compile per round
     times = interleaved_graph_ms(steps)
     for name, ms in times.items():
@@ -78,17 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         report["providers"][name].update(ms=statistics.median(ms), p20=deciles[1], p80=deciles[7],
                                          vs_compile=statistics.median(ratios),
                                          vs_compile_p20=ratio_deciles[1], vs_compile_p80=ratio_deciles[7])  # fmt: skip
-    base = report["providers"]["torch_compile"]
     rows = [
         (name, f"{r['ms']:.3f}", f"{r['vs_compile']:.4f} ({r['vs_compile_p20']:.4f}-{r['vs_compile_p80']:.4f})",
-         f"{r['ms_stream']:.3f}", f"{r['first_step_s']:.1f}", f"{r['first_step_s'] / base['first_step_s']:.2f}")
+         f"{r['ms_stream']:.3f}", *(f"{r['kernel_us_by_class'][c]:.0f}" for c in ("gemm", "attention", "other")))
         for name, r in report["providers"].items()
     ]  # fmt: skip
+    headers = ["provider", "ms (graph)", "vs compile (p20-p80 of rounds)", "ms (stream)", "GEMM us", "attention us",
+               "other kernels us"]  # fmt: skip
+    print(tabulate(rows, headers=headers))
+    base_s = compile_s["torch_compile"]
+    compile_rows = [(name, f"{s:.1f}", f"{s / base_s:.2f}") for name, s in compile_s.items()]
+    print(tabulate(compile_rows, headers=["provider", "first step s (fresh process)", "vs torch.compile's"]))
+    print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "backend_llama.json").write_text(json.dumps(report, indent=1))
-    headers = ["provider", "ms (graph)", "vs compile (p20-p80 of rounds)", "ms (stream)", "first step s", "vs compile's"]
-    print(tabulate(rows, headers=headers))
-    print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
     return 0
 
 

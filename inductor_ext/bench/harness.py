@@ -11,7 +11,10 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import statistics
+import subprocess
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,10 +60,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def model_bench_parser(prog: str, description: str | None, *, layers: int, batch: int, seq: int) -> argparse.ArgumentParser:
+def model_bench_parser(
+    prog: str, description: str | None, *, layers: int, batch: int, seq: int
+) -> argparse.ArgumentParser:
     """The arguments every model-level benchmark takes (``--out``, ``--layers``, ``--batch``,
     ``--seq``), with that benchmark's defaults; it adds its own."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON")
     parser.add_argument("--layers", type=int, default=layers, help="decoder layers")
     parser.add_argument("--batch", type=int, default=batch, help="tokens per step: batch")
@@ -78,13 +85,74 @@ def parse_on_gpu(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
 
 def show_route_timing() -> None:
     """Print the backend's route decisions and what each route timing spent, per stage (the INFO
-    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes."""
-    logger = logging.getLogger("inductor_ext.inductor.choice")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes; and why a
+    precompile ran on threads instead of Inductor's worker processes (:mod:`inductor_ext.ops._compile_workers`)."""
+    for name in ("inductor_ext.inductor.choice", "inductor_ext.ops._compile_workers"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def fresh_cache_env(scratch: str, tuning_dir: str) -> dict[str, str]:
+    """Environment for empty Inductor and Triton caches under ``scratch`` (nothing compiled before
+    is reused) and the tuning database in ``tuning_dir``."""
+    return {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch), "TRITON_CACHE_DIR": tempfile.mkdtemp(dir=scratch),
+            "INDUCTOR_EXT_CACHE_DIR": tuning_dir}  # fmt: skip
+
+
+CHILD_RESULT = "BENCH_CHILD_RESULT "
+"""Prefix of the JSON line a benchmark's child process prints as its result (:func:`print_child_result`)."""
+
+
+def print_child_result(result: Mapping[str, Any]) -> None:
+    print(CHILD_RESULT + json.dumps(result), flush=True)
+
+
+def run_child(command: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
+    """Run a benchmark's child process (a fresh interpreter: no compiler state, process-wide
+    start-up costs paid inside) with ``env`` added; the result it printed."""
+    proc = subprocess.run(list(command), env={**os.environ, **env}, stdout=subprocess.PIPE, text=True, check=False)
+    results = [line for line in proc.stdout.splitlines() if line.startswith(CHILD_RESULT)]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}); its stdout:\n{proc.stdout[-4000:]}")
+    return dict(json.loads(results[-1].removeprefix(CHILD_RESULT)))
+
+
+def kernel_class(name: str) -> str:
+    """``"gemm"`` (cuBLAS/cuBLASLt, CUTLASS), ``"attention"`` (SDPA's flash/cuDNN kernels) or
+    ``"other"`` (what Inductor and our ops generate: pointwise, reductions, memsets) for a GPU kernel name."""
+    lowered = name.lower()
+    if lowered.startswith("nvjet") or any(s in lowered for s in ("gemm", "xmma", "cutlass")):
+        return "gemm"
+    if any(s in lowered for s in ("sdpa", "flash", "fmha", "cudnn::fusion")):
+        return "attention"
+    return "other"
+
+
+def kernel_us(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
+    """GPU µs per call of ``step`` in each kernel (by name), from the profiler over ``steps`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / steps
+    return totals
+
+
+def kernel_us_by_class(kernels: Mapping[str, float]) -> dict[str, float]:
+    """:func:`kernel_us` summed per :func:`kernel_class`."""
+    classes = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for name, us in kernels.items():
+        classes[kernel_class(name)] += us
+    return classes
 
 
 def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, float, float]:
@@ -95,7 +163,9 @@ def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, fl
     return qs[0], qs[1], qs[2]
 
 
-def bench_graph_median(fn: Callable[[], Any], calls_per_graph: int = 10, replays: int = 30) -> tuple[float, float, float]:
+def bench_graph_median(
+    fn: Callable[[], Any], calls_per_graph: int = 10, replays: int = 30
+) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile) ms per call from replays of a CUDA graph of ``calls_per_graph``
     calls (:func:`inductor_ext.autotune.timing.graph_replay_ms`); autograd backward inside the
     capture is supported by PyTorch (whole-network capture)."""
@@ -104,7 +174,9 @@ def bench_graph_median(fn: Callable[[], Any], calls_per_graph: int = 10, replays
     return statistics.median(times), deciles[1], deciles[7]
 
 
-def interleaved_graph_ms(fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5, rounds: int = 40) -> dict[str, list[float]]:
+def interleaved_graph_ms(
+    fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5, rounds: int = 40
+) -> dict[str, list[float]]:
     """GPU ms per call of each of ``fns`` in each of ``rounds`` rounds, one CUDA graph of
     ``calls_per_graph`` calls per function, replayed in turn within each round: clock and
     thermal drift then hits every function alike, and per-round ratios cancel it."""
