@@ -85,15 +85,13 @@ def parse_on_gpu(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
 
 def show_route_timing() -> None:
     """Print the backend's route decisions and what each route timing spent, per stage (the INFO
-    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes; and why a
-    precompile ran on threads instead of Inductor's worker processes (:mod:`inductor_ext.ops._compile_workers`)."""
-    for name in ("inductor_ext.inductor.choice", "inductor_ext.ops._compile_workers"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes."""
+    logger = logging.getLogger("inductor_ext.inductor.choice")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def fresh_cache_env(scratch: str, tuning_dir: str) -> dict[str, str]:

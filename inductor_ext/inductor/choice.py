@@ -29,7 +29,6 @@ from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.kernel_configs import records as kernel_records
 from inductor_ext.autotune.timing import median_ms, meta_templates, signature
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._compile_workers import compile_in_workers
 from inductor_ext.ops._library import (
     DECOMPOSITIONS,
     FAMILIES,
@@ -173,8 +172,7 @@ def _measure_routes(
 ) -> list[RouteDecision]:
     decisions = []
     stages: dict[str, float] = {}
-    # our kernels' first launches: their configs compiled in Inductor's worker processes, then timed
-    with _stage(stages, "first launches"), compile_in_workers():
+    with _stage(stages, "first launches"):  # our kernels': compile and tune
         directions = call_directions(family, meta_args, device)
     for op, templates, direct in directions:
         make_inputs = functools.partial(random_inputs, op, templates, device)

@@ -44,7 +44,6 @@ from inductor_ext.autotune.kernel_configs import (
     key_signature,
     stored_config,
 )
-from inductor_ext.ops._compile_workers import CompileWorkerExecutor, inductor_worker_pool
 
 NAMESPACE = "fastops"
 
@@ -230,17 +229,12 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
     a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
     Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
     only the compile to a worker thread; leaving the mode installs the kernels in the cache.
-    Inside :func:`~inductor_ext.ops._compile_workers.compile_in_workers` the compiles run in
-    Inductor's compile-worker processes instead (:mod:`inductor_ext.ops._compile_workers`).
     """
     configs = candidate_configs(kernel, args, kwargs)
-    processes = inductor_worker_pool()
-    # with worker processes, the threads only wait for them and load the result
-    threads = len(configs) if processes is not None else min(len(configs), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-        executor = pool if processes is None else CompileWorkerExecutor(processes, pool)
+    workers = min(len(configs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         # a mode the caller already opened takes the compiles instead (Triton allows one at a time)
-        mode = triton.AsyncCompileMode(executor) if async_compile_mode.get() is None else contextlib.nullcontext()
+        mode = triton.AsyncCompileMode(pool) if async_compile_mode.get() is None else contextlib.nullcontext()
         with mode:
             for config in configs:
                 meta = {**kwargs, **config.all_kwargs()}
