@@ -8,6 +8,7 @@ from inductor_ext import nn
 from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
+    add_rms_norm,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
@@ -31,6 +32,7 @@ from inductor_ext.version import __version__
 __all__ = [
     "ExportError",
     "__version__",
+    "add_rms_norm",
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_",
     "apply_rotary_pos_emb_ref",

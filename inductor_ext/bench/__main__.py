@@ -17,7 +17,7 @@ import torch
 
 from inductor_ext.bench import harness
 
-OPS = ["rms_norm"]
+OPS = ["rms_norm", "add_rms_norm"]
 """Ops with a benchmark module; a new op adds its name here."""
 OPS += ["layer_norm"]
 OPS += ["cross_entropy", "fused_linear_cross_entropy"]

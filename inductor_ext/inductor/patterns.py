@@ -24,7 +24,7 @@ from inductor_ext.ops._library import OpFamily
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.glu import glu_family
 from inductor_ext.ops.layer_norm import layer_norm_family
-from inductor_ext.ops.rms_norm import rms_norm_family
+from inductor_ext.ops.rms_norm import add_rms_norm_family, rms_norm_family
 from inductor_ext.ops.rope import rope_family
 
 Rewrite = Callable[[Node], Node | None]
@@ -290,6 +290,48 @@ def _torch_rms_norm(node: Node) -> Node | None:
     if not isinstance(eps, (int, float)):
         return None
     return _insert_rows_call(node, rms_norm_family, [x], (weight, float(eps), 0.0, "llama"), x)
+
+
+@register_rewrite("add_rms_norm")
+def _add_rms_norm(node: Node) -> Node | None:
+    """A residual add feeding an RMSNorm (rewritten by the rewrites above), ``norm(h)`` with
+    ``h = x + r`` also used elsewhere (the residual stream) -> ``add_rms_norm_fwd(x, r)``, whose
+    sum output replaces h everywhere: the add runs inside the norm's kernel, forward and backward.
+
+    Only when x and r have h's shape and dtype (no broadcasting or promotion) and every other use
+    of h comes after the norm (the fused op defines h there).
+    """
+    if not _is_call(node, (rms_norm_family.fwd,)) or not _is_call(node.args[0], (), ("reshape",)):
+        return None
+    rows = node.args[0]
+    h = rows.args[0]
+    operands = _binary_operands(h, _ADD, "add")
+    if operands is None or len(rows.users) != 1:
+        return None
+    hv = _value(h)
+    for t in operands:
+        tv = _value(t)
+        if not isinstance(t, Node) or not isinstance(tv, torch.Tensor) or tv.shape != hv.shape or tv.dtype != hv.dtype:
+            return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    others = [user for user in h.users if user is not rows]
+    if any(order[user] < order[node] for user in others):
+        return None
+    x, r = operands
+    graph: Graph = node.graph
+    with graph.inserting_before(node):
+        flat = []
+        for t in (x, r):
+            t2d = _with_value(graph.call_method("reshape", (t, -1, hv.shape[-1])))
+            if _value(t).stride(-1) != 1:
+                t2d = _with_value(graph.call_method("contiguous", (t2d,)))
+            flat.append(t2d)
+        fused = _with_value(graph.call_function(add_rms_norm_family.fwd, (*flat, *node.args[1:])))
+        h_rows = _with_value(graph.call_function(operator.getitem, (fused, 2)))
+        new_h = _with_value(graph.call_method("view_as", (h_rows, x)))
+    for user in others:
+        user.replace_input_with(h, new_h)
+    return fused  # (y, rstd, h): its first two outputs are the replaced norm's (y, rstd)
 
 
 # ---------------------------------------------------------------- LayerNorm

@@ -13,6 +13,14 @@ Backward, with ``g = dy * w'`` (``g = dy`` without weight)::
     dx = rstd * (g - xhat * mean(g * xhat))
     dw = sum_rows(dy * xhat)
 
+Fused residual add (``HAS_RESIDUAL`` / ``HAS_DRES``, the ``add_rms_norm`` op): the forward
+normalises ``h = round_x(x + r)`` instead of x and also writes h (a transformer's residual
+stream, ``h = x + attn(x)``, then ``norm(h)``); the backward gets h as its x and adds the
+gradient ``dh`` that reached h through its other uses, so the residual branch's gradient
+``dx = dh + d norm(h)/dh`` leaves in one write::
+
+    dx = dh + rstd * (g - xhat * mean(g * xhat))
+
 ``dw`` is reduced deterministically: each program accumulates the rows it owns in
 fp32 and writes one partial row to ``DW_PARTIAL[pid, :]``; the caller sums the
 ``(num_programs, N)`` partials. No atomics.
@@ -47,16 +55,17 @@ def _scale(xhat, w_eff, X_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, GEMMA_C
     return xhat
 
 
-@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT"]))
+@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT", "HAS_RESIDUAL"]))
 @triton.jit
 def rms_norm_fwd_kernel(
-    X, W, Y, RSTD,
-    stride_x, stride_y, M, N, eps, offset,
-    HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
+    X, R, W, Y, H, RSTD,
+    stride_x, stride_r, stride_y, stride_h, M, N, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
     PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """y = scale(x * rstd), rstd = rsqrt(mean(x**2) + eps); one program per block of BLOCK_M rows.
 
+    HAS_RESIDUAL: x is first replaced by h = round_x(x + r), which is also stored to H.
     PREFETCH is a backward knob (configs are shared); the forward ignores it.
     """
     eps = tl.cast(eps, tl.float32)  # Inductor may pass Python floats as fp64
@@ -74,7 +83,12 @@ def rms_norm_fwd_kernel(
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows[:, None].to(tl.int64)
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X_DTYPE)
+            tl.store(H + rows64 * stride_h + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         y = _scale(x * rstd[:, None], w_eff, X_DTYPE, HAS_WEIGHT, GEMMA_CASTING)
         tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -82,18 +96,28 @@ def rms_norm_fwd_kernel(
     else:
         x_row = X + tl.cast(pid, tl.int64) * stride_x
         y_row = Y + tl.cast(pid, tl.int64) * stride_y
-        # pass 1: sum of squares, chunk by chunk (x stays in L2 for pass 2)
+        if HAS_RESIDUAL:
+            r_row = R + tl.cast(pid, tl.int64) * stride_r
+            h_row = H + tl.cast(pid, tl.int64) * stride_h
+            normed_row = h_row  # pass 2 reads back the h this thread wrote in pass 1
+        else:
+            normed_row = x_row
+        # pass 1: sum of squares, chunk by chunk (the row stays in L2 for pass 2)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_first")
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(X_DTYPE)
+                tl.store(h_row + cols, x, mask=cols < N, eviction_policy="evict_last")
             acc += x.to(tl.float32) * x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N + eps)
         # pass 2: normalise and write, chunk by chunk
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            x = tl.load(x_row + cols, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(normed_row + cols, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w_eff = offset
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
@@ -115,16 +139,17 @@ def _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
     return x, dy, rstd
 
 
-@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT"]))
+@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT", "HAS_DRES"]))
 @triton.jit
 def rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PARTIAL,
-    stride_dy, stride_x, stride_dx, M, N, offset,
-    HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
+    DY, X, DRES, W, RSTD, DX, DW_PARTIAL,
+    stride_dy, stride_x, stride_dres, stride_dx, M, N, offset,
+    HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, GEMMA_CASTING: tl.constexpr,
     PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w'; DW_PARTIAL[pid] = sum over own rows of dy * xhat.
 
+    HAS_DRES: DRES (the gradient that reached x through its other uses) is added to dx.
     A fixed grid of programs strides over row blocks, so each keeps one fp32 dw
     partial for all its rows. Under "llama" casting
     the weight multiplies the rounded xhat; its gradient uses the unrounded one,
@@ -165,6 +190,8 @@ def rms_norm_bwd_kernel(
             g = dy * w_eff if HAS_WEIGHT else dy
             c1 = tl.sum(g * xhat, axis=1) / N
             dx = rstd[:, None] * (g - xhat * c1[:, None])
+            if HAS_DRES:
+                dx += tl.load(DRES + rows64 * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_WEIGHT:
                 dw_acc += tl.sum(dy * xhat, axis=0)
@@ -211,4 +238,7 @@ def rms_norm_bwd_kernel(
                     dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)
                 dx = rstd * (g - xhat * c1)
+                if HAS_DRES:
+                    dres = tl.load(DRES + row64 * stride_dres + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
+                    dx += dres.to(tl.float32)
                 tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)

@@ -1,4 +1,5 @@
-"""RMSNorm: ``torch.ops.fastops.rms_norm_fwd`` / ``rms_norm_bwd`` and :func:`rms_norm`.
+"""RMSNorm: ``torch.ops.fastops.rms_norm_fwd`` / ``rms_norm_bwd`` and :func:`rms_norm`; with a
+fused residual add, ``add_rms_norm_fwd`` / ``add_rms_norm_bwd`` and :func:`add_rms_norm`.
 
 Schemas::
 
@@ -6,6 +7,15 @@ Schemas::
         -> (Tensor y, Tensor rstd)
     fastops::rms_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float offset, str casting)
         -> (Tensor dx, Tensor dw)
+    fastops::add_rms_norm_fwd(Tensor x, Tensor residual, Tensor? weight, float eps, float offset, str casting)
+        -> (Tensor y, Tensor rstd, Tensor h)
+    fastops::add_rms_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor rstd, float offset,
+                              str casting) -> (Tensor dx, Tensor dw)
+
+``add_rms_norm`` normalises ``h = x + residual`` (rounded to x's dtype, as the eager add) and
+returns h too: a transformer's residual stream, ``h = x + attn(x)`` then ``norm(h)`` with h
+used again by the next residual add. Its backward adds ``dh``, the gradient h received through
+those other uses, to the norm's dx: the gradient of both x and residual, written once.
 
 ``x`` is 2-D ``(M, N)`` with unit stride along N (the public function flattens
 leading dims before the autograd boundary); ``rstd`` is fp32 ``(M,)``; ``dw`` has
@@ -46,7 +56,9 @@ def _scale_math(xhat: Tensor, x_dtype: torch.dtype, weight: Tensor | None, offse
     return xhat.to(x_dtype).float() * w_eff
 
 
-def rms_norm_fwd_math(x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str) -> tuple[Tensor, Tensor]:
+def rms_norm_fwd_math(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
     """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
@@ -54,10 +66,8 @@ def rms_norm_fwd_math(x: Tensor, weight: Tensor | None, eps: float, offset: floa
     return y.to(_out_dtype(x, weight, casting)), rstd
 
 
-def rms_norm_bwd_math(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
-) -> tuple[Tensor, Tensor]:
-    """Aten-only backward: dx = rstd * (g - xhat * mean(g * xhat)), dw = sum_rows(dy * xhat)."""
+def _bwd_math_fp32(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float) -> tuple[Tensor, Tensor]:
+    """dx in fp32 (rounded by the caller) and dw: dx = rstd * (g - xhat * mean(g * xhat)), dw = sum_rows(dy * xhat)."""
     xhat = x.float() * rstd.unsqueeze(-1)
     dyf = dy.float()
     g = dyf if weight is None else dyf * (weight.float() + offset)
@@ -66,39 +76,102 @@ def rms_norm_bwd_math(
         dw = x.new_empty((0,), dtype=torch.float32)
     else:
         dw = (dyf * xhat).sum(0).to(weight.dtype)
+    return dx, dw
+
+
+def rms_norm_bwd_math(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    """Aten-only backward: dx = rstd * (g - xhat * mean(g * xhat)), dw = sum_rows(dy * xhat)."""
+    dx, dw = _bwd_math_fp32(dy, x, weight, rstd, offset)
     return dx.to(x.dtype), dw
 
 
-def rms_norm_fwd_kernels(
-    launch: Launch, x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+def add_rms_norm_fwd_math(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Aten-only forward of the fused residual add: h = x + residual (x's dtype), then RMSNorm of h."""
+    h = x + residual
+    y, rstd = rms_norm_fwd_math(h, weight, eps, offset, casting)
+    return y, rstd, h
+
+
+def add_rms_norm_bwd_math(
+    dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
 ) -> tuple[Tensor, Tensor]:
+    """Aten-only backward of the fused residual add: dx = dh + (RMSNorm's dx at h), rounded once."""
+    dx, dw = _bwd_math_fp32(dy, h, weight, rstd, offset)
+    if dh is not None:
+        dx = dx + dh.float()
+    return dx.to(h.dtype), dw
+
+
+def _fwd_launch(
+    launch: Launch, x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """y, rstd and (with a residual) h = x + residual, from one forward kernel."""
     M, N = x.shape
     y = x.new_empty((M, N), dtype=_out_dtype(x, weight, casting))
     rstd = x.new_empty((M,), dtype=torch.float32)
+    h = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     launch(
         rms_norm_fwd_kernel,
         lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),),
-        x, weight, y, rstd, x.stride(0), y.stride(0), M, N, eps, offset,
-        HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
+        x, residual, weight, y, h, rstd,
+        x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0), 0 if h is None else h.stride(0),
+        M, N, eps, offset,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
-    return y, rstd
+    return y, rstd, h
 
 
-def rms_norm_bwd_kernels(
-    launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
-) -> tuple[Tensor, Tensor]:
+def _bwd_launch(
+    launch: Launch, dy: Tensor, dres: Tensor | None, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float,
+    casting: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """dx (plus ``dres`` when given) and dw, from one backward kernel and the dw partials' sum."""
     M, N = x.shape
     dy = unit_last_stride(dy)
+    dres = None if dres is None else unit_last_stride(dres)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw partial rows
     partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
     launch(
         rms_norm_bwd_kernel,
         lambda meta: (programs,),
-        dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), M, N, offset,
-        HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
+        dy, x, dres, weight, rstd, dx, partial,
+        dy.stride(0), x.stride(0), 0 if dres is None else dres.stride(0), dx.stride(0), M, N, offset,
+        HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None, GEMMA_CASTING=casting == "gemma",
     )  # fmt: skip
     return dx, sum_partial_rows(launch, partial, weight)
+
+
+def rms_norm_fwd_kernels(
+    launch: Launch, x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    y, rstd, _ = _fwd_launch(launch, x, None, weight, eps, offset, casting)
+    return y, rstd
+
+
+def rms_norm_bwd_kernels(
+    launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, casting: str
+) -> tuple[Tensor, Tensor]:
+    return _bwd_launch(launch, dy, None, x, weight, rstd, offset, casting)
+
+
+def add_rms_norm_fwd_kernels(
+    launch: Launch, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    y, rstd, h = _fwd_launch(launch, x, unit_last_stride(residual), weight, eps, offset, casting)
+    assert h is not None
+    return y, rstd, h
+
+
+def add_rms_norm_bwd_kernels(
+    launch: Launch, dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor, offset: float,
+    casting: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return _bwd_launch(launch, dy, dh, h, weight, rstd, offset, casting)
 
 
 def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
@@ -123,6 +196,35 @@ rms_norm_family = define_op_family(
     bwd_kernels=rms_norm_bwd_kernels,
     setup_context=_setup_context,
     backward=_backward,
+)
+
+
+def _add_setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    _x, _residual, weight, _eps, offset, casting = inputs
+    _y, rstd, h = output
+    ctx.save_for_backward(h, weight, rstd)
+    ctx.offset, ctx.casting = offset, casting
+    ctx.mark_non_differentiable(rstd)
+
+
+def _add_backward(
+    ctx: Any, bwd: Any, dy: Tensor | None, _drstd: Tensor | None, dh: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """x and residual get the same gradient: dh plus the norm's dx (dh alone if y got no gradient)."""
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = (dh, None) if dy is None else bwd(dy, dh, h, weight, rstd, ctx.offset, ctx.casting)
+    needs_dw = weight is not None and ctx.needs_input_grad[2] and dw is not None
+    return dx, dx, (dw if needs_dw else None), None, None, None
+
+
+add_rms_norm_family = define_op_family(
+    "add_rms_norm",
+    fwd_math=add_rms_norm_fwd_math,
+    fwd_kernels=add_rms_norm_fwd_kernels,
+    bwd_math=add_rms_norm_bwd_math,
+    bwd_kernels=add_rms_norm_bwd_kernels,
+    setup_context=_add_setup_context,
+    backward=_add_backward,
 )
 
 
@@ -171,6 +273,28 @@ def rms_norm(
     return y if x.dim() == 2 else y.view(x.shape)
 
 
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``h = x + residual`` and ``rms_norm(h, weight, eps)`` in one pass: returns ``(y, h)``.
+
+    The residual stream of a pre-norm transformer (``h = x + attn(x)``, then the MLP's norm of h,
+    and h again in the next residual add). ``residual`` must match x's shape, dtype and device;
+    h has x's dtype (the sum rounded once, like the eager add). Other arguments as :func:`rms_norm`.
+    """
+    _check_inputs(x, weight, eps, casting)
+    if not isinstance(residual, Tensor):
+        raise TypeError(f"add_rms_norm: residual must be a Tensor, got {type(residual).__name__}")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"add_rms_norm: residual must match x (shape {tuple(x.shape)}, {x.dtype}, {x.device}), "
+            f"got shape {tuple(residual.shape)}, {residual.dtype}, {residual.device}"
+        )
+    y, _rstd, h = add_rms_norm_family(rows_2d(x), rows_2d(residual), weight, float(eps), float(offset), casting)
+    return (y, h) if x.dim() == 2 else (y.view(x.shape), h.view(x.shape))
+
+
 def rms_norm_ref(
     x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
 ) -> Tensor:
@@ -187,4 +311,4 @@ def rms_norm_ref(
     return (h.to(x.dtype).to(compute) * (offset + weight.to(compute))).to(_out_dtype(x, weight, casting))
 
 
-__all__ = ["rms_norm", "rms_norm_family", "rms_norm_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_family", "rms_norm", "rms_norm_family", "rms_norm_ref"]

@@ -84,8 +84,8 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
-    args = (x, w, y, rstd, n, n, m, n, 1e-6, 0.0)
-    kwargs = {"HAS_WEIGHT": True, "GEMMA_CASTING": False}
+    args = (x, None, w, y, None, rstd, n, 0, n, 0, m, n, 1e-6, 0.0)
+    kwargs = {"HAS_RESIDUAL": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)
     cache = rms_norm_fwd_kernel.fn.device_caches[torch.cuda.current_device()][0]
     before = len(cache)

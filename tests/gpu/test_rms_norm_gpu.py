@@ -90,3 +90,64 @@ def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
     # eager may tune to another config (another summation order): bf16 tolerance there, bitwise vs itself
     torch.testing.assert_close(y, rms_norm(x, w), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y2, y, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- fused residual add (add_rms_norm)
+
+
+def _residual_grads(f, x, r, w, dy, dh_out):
+    """y, h and the gradients of x, r, w when the loss reaches h through y and directly."""
+    x, r, w = (t.detach().requires_grad_() for t in (x, r, w))
+    y, h = f(x, r, w)
+    dx, dr, dw = torch.autograd.grad((y, h), (x, r, w), (dy, dh_out))
+    return y, h, dx, dr, dw
+
+
+def _unfused(x, r, w):
+    h = x + r
+    return rms_norm_ref(h, w), h
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (77, 70000), (17, 123)], ids=str)
+def test_add_rms_norm_matches_float64_as_closely_as_compiled_reference(shape):
+    torch._dynamo.reset()
+    x, r, dy, dh_out = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
+    ours = _residual_grads(inductor_ext.add_rms_norm, x, r, w, dy, dh_out)
+    assert torch.equal(ours[1], x + r)  # the sum rounded like the eager add
+    ref = _residual_grads(_unfused, x.double(), r.double(), w.double(), dy.double(), dh_out.double())
+    compiled = _residual_grads(torch.compile(_unfused), x, r, w, dy, dh_out)
+    eager = _residual_grads(_unfused, x, r, w, dy, dh_out)
+    for name, o, c, e, ref_ in zip(("y", "h", "dx", "dr", "dw"), ours, compiled, eager, ref):
+        bound = max(rel_err(c, ref_), rel_err(e, ref_))  # y: HF's rounding of x_hat, as in the test above
+        assert rel_err(o, ref_) <= 1.1 * bound + 2e-6, (name, rel_err(o, ref_), rel_err(c, ref_), rel_err(e, ref_))
+
+
+def test_residual_add_runs_in_our_kernels_under_the_backend():
+    """The HF-spelled residual block under ``fastops_inductor`` with the kernel route: the add is
+    rewritten into ``add_rms_norm``, whose graph launches our norm kernels forward and backward
+    (no call back to the op); with ``cpp_wrapper`` too."""
+    from torch._dynamo.utils import counters
+
+    from tests.inductor.test_backend import ResidualNorm
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = ResidualNorm(4096).cuda().to(torch.bfloat16)
+    x = torch.randn(8, 512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(module, backend="fastops_inductor", options={"fastops.route": "kernel"})
+
+    def train_step():
+        y = compiled(x)
+        y.float().square().sum().backward()
+        return y
+
+    y, code = run_and_get_joined_code(train_step)
+    assert "rms_norm_fwd_kernel" in code and "rms_norm_bwd_kernel" in code
+    assert "fastops.add_rms_norm" not in code and counters["inductor_ext"]["rewrite_add_rms_norm"] == 1
+    torch.testing.assert_close(y, module(x), atol=5e-2, rtol=2e-2)
+    with torch.no_grad():
+        y_cpp = torch.compile(
+            module, backend="fastops_inductor", options={"fastops.route": "kernel", "cpp_wrapper": True}
+        )(x)
+        torch.testing.assert_close(y_cpp, module(x), atol=5e-2, rtol=2e-2)

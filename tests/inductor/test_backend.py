@@ -450,6 +450,8 @@ def test_hf_spelled_decoder_stack_is_rewritten_and_matches_the_fastops_spelling(
     x = torch.randn(2, 16, 64)
     (y, dx, dparams), (y_ref, dx_ref, dparams_ref) = _run(hf, x)
     assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 5  # 2 per layer and the final norm
+    assert counters["inductor_ext"]["rewrite_add_rms_norm"] == 4  # every norm of a residual sum
+    assert counters["inductor_ext"]["fastops::add_rms_norm_bwd->inductor"] == 4  # and their backwards
     assert counters["inductor_ext"]["rewrite_rope_hf"] == 2
     assert counters["inductor_ext"]["rewrite_glu"] == 2
     assert rel_err(y, y_ref) < OUTPUT[torch.float32] and rel_err(dx, dx_ref) < OUTPUT[torch.float32]
@@ -478,3 +480,43 @@ def test_partial_rotary_hf_rope_is_rewritten_on_the_rotary_slices():
     assert counters["inductor_ext"]["rewrite_rope_hf"] == 1
     for got, ref in zip((*outs, *grads), (*outs_ref, *grads_ref)):
         assert rel_err(got, ref) < OUTPUT[torch.float32]
+
+
+class ResidualNorm(torch.nn.Module):
+    """``h = x + f(x)``, ``norm(h)``, and h again in the next residual add (a pre-norm block);
+    ``early_use`` also reads h before the norm, ``broadcast`` adds a row vector instead."""
+
+    def __init__(self, n, early_use=False, broadcast=False):
+        super().__init__()
+        self.norm, self.proj = LlamaRMSNorm(n), torch.nn.Linear(n, n)
+        self.bias = torch.nn.Parameter(torch.randn(n))
+        self.early_use, self.broadcast = early_use, broadcast
+
+    def forward(self, x):
+        h = x + (self.bias if self.broadcast else self.proj(x))
+        early = h.sum(-1, keepdim=True) if self.early_use else 0.0
+        return h + self.proj(self.norm(h)) + early
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_residual_add_is_fused_into_the_norm_forward_and_backward(dtype):
+    module = ResidualNorm(64).to(dtype)
+    (y, dx, dparams), (y_e, dx_e, dparams_e) = _run(module, torch.randn(2, 7, 64, dtype=dtype))
+    assert counters["inductor_ext"]["rewrite_add_rms_norm"] == 1
+    assert counters["inductor_ext"]["fastops::add_rms_norm_bwd->inductor"] == 1
+    assert "fastops::rms_norm_fwd->inductor" not in counters["inductor_ext"]
+    assert sum(counters["graph_break"].values()) == 0
+    tol = 2 * OUTPUT[dtype]  # eager rounds the residual branch's two gradients separately
+    assert rel_err(y, y_e) < tol and rel_err(dx, dx_e) < tol
+    for got, ref in zip(dparams, dparams_e):
+        assert (got is None) == (ref is None)  # the unused bias gets none
+        assert ref is None or rel_err(got, ref) < tol + reduced_grad(dtype, 14)
+
+
+@pytest.mark.parametrize("variant", ["early_use", "broadcast"])
+def test_residual_add_near_misses_keep_the_plain_norm(variant):
+    module = ResidualNorm(64, **{variant: True})
+    (y, dx, _), (y_e, dx_e, _) = _run(module, torch.randn(2, 7, 64))
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    assert "rewrite_add_rms_norm" not in counters["inductor_ext"]
+    assert rel_err(y, y_e) < OUTPUT[torch.float32] and rel_err(dx, dx_e) < OUTPUT[torch.float32]

@@ -57,9 +57,10 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
 
     monkeypatch.setattr(rms_norm_bwd_kernel.fn, "warmup", warmup)
     tensors = [torch.empty(8, n, dtype=torch.bfloat16) for _ in range(2)]
-    args = (*tensors, torch.empty(n, dtype=torch.bfloat16), torch.empty(8), *tensors[:1], torch.empty(2, n))
-    args += (n, n, n, 8, n, 0.0)
-    precompile_configs(rms_norm_bwd_kernel, lambda meta: (meta["BLOCK_M"],), args, {"HAS_WEIGHT": True, "GEMMA_CASTING": False})
+    args = (*tensors, None, torch.empty(n, dtype=torch.bfloat16), torch.empty(8), *tensors[:1], torch.empty(2, n))
+    args += (n, n, 0, n, 8, n, 0.0)
+    kwargs = {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
+    precompile_configs(rms_norm_bwd_kernel, lambda meta: (meta["BLOCK_M"],), args, kwargs)
 
     expected = {c.to_triton() for c in search_space(n, forward=False)}
     configs = [triton.Config({k: meta[k] for k in ("PERSISTENT", "BLOCK_M", "BLOCK_N", "PREFETCH")},

@@ -1,0 +1,46 @@
+"""The benchmark modules import and follow their protocol without a GPU (they run on the H200);
+the harness's pure helpers: kernel classes, child processes."""
+
+import importlib
+import sys
+
+import pytest
+
+from inductor_ext.bench import harness
+from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_op_benchmark_modules_follow_the_protocol(op):
+    bench = importlib.import_module(f"inductor_ext.bench.{op}")
+    assert callable(bench.run) and bench.SHAPES
+    assert all(isinstance(d, int) and d > 0 for shape in bench.SHAPES for d in shape)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_BENCHES))
+def test_model_benchmark_modules_have_a_main(name):
+    assert callable(importlib.import_module(MODEL_BENCHES[name]).main)
+
+
+@pytest.mark.parametrize(
+    "kernel,expected",
+    [
+        ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+        ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)", "attention"),
+        ("triton_poi_fused_add_view_7", "other"),
+        ("rms_norm_bwd_kernel", "other"),
+    ],
+)
+def test_kernel_classes(kernel, expected):
+    assert harness.kernel_class(kernel) == expected
+    totals = harness.kernel_us_by_class({kernel: 2.0, "Memset (Device)": 1.0})
+    assert totals[expected] == 2.0 + (1.0 if expected == "other" else 0.0) and sum(totals.values()) == 3.0
+
+
+def test_run_child_returns_the_last_result_line_and_reports_failures():
+    emit = "from inductor_ext.bench.harness import print_child_result as p; print('noise'); p({'a': 1}); p({'a': 2})"
+    assert harness.run_child([sys.executable, "-c", emit], {}) == {"a": 2}
+    with pytest.raises(RuntimeError, match="exit 3"):
+        harness.run_child([sys.executable, "-c", "print('partial'); raise SystemExit(3)"], {})
