@@ -22,8 +22,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.bench.backend import decoder_step_inputs
 from inductor_ext.bench.harness import interleaved_graph_ms, kernel_class, kernel_us, kernel_us_by_class
-from inductor_ext.bench.llama import LlamaStyleDecoder
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "torch_compile": {},
@@ -51,15 +51,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/profile_decoder"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    hidden = args.hidden
-    model = LlamaStyleDecoder(
-        hidden=hidden, heads=hidden // 128, kv_heads=max(1, hidden // 512), intermediate=hidden * 7 // 2,
-        layers=args.layers, spelling="hf",
-    ).cuda().to(torch.bfloat16)  # fmt: skip
-    params = list(model.parameters())
-    x = torch.randn(args.batch, args.seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
+    model, params, x, dy = decoder_step_inputs(args)
     steps = {}
     for name in args.variants:
         spec = VARIANTS[name]

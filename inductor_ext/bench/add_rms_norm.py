@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
+from inductor_ext.bench.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
 from inductor_ext.bench.rms_norm import route_check
 from inductor_ext.ops.rms_norm import add_rms_norm, rms_norm_ref
 
@@ -57,20 +57,8 @@ def _ours(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tens
     return add_rms_norm(x, r, w, EPS)
 
 
-def _backend(route: str) -> Callable[..., Any]:
-    return torch.compile(_hf, fullgraph=True, backend="fastops_inductor", options={"fastops.route": route})
-
-
 def providers(mode: str) -> list[Provider]:
-    wrap = _fwd if mode == "fwd" else _fwd_bwd
-    return [
-        Provider("hf_eager", wrap(_hf)),
-        Provider("torch_compile", wrap(torch.compile(_hf, fullgraph=True))),
-        Provider("fastops_eager", wrap(_ours)),
-        Provider("fastops_compile", wrap(torch.compile(_ours, fullgraph=True))),
-        Provider("fastops_backend", wrap(_backend("auto"))),
-        *(Provider(f"fastops_backend_{route}", wrap(_backend(route))) for route in ("kernel", "inductor")),
-    ]
+    return reference_and_backend_providers(_fwd if mode == "fwd" else _fwd_bwd, _hf, _ours)
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:

@@ -56,7 +56,9 @@ def _provider(name: str, model: torch.nn.Module) -> Any:
     return torch.compile(model, backend="fastops_inductor", options={"fastops.route": route})
 
 
-def _setup(args: Any) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def decoder_step_inputs(args: Any) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The HF-spelled stack of ``args`` (``hidden``, ``layers``, ``batch``, ``seq``) in bf16 on the GPU,
+    its parameters, an input and a cotangent: what every provider's step runs on."""
     torch.manual_seed(0)
     hidden = args.hidden
     model = LlamaStyleDecoder(
@@ -69,7 +71,7 @@ def _setup(args: Any) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor
 
 def _first_step_s(name: str, args: Any) -> float:
     """Wall seconds of ``name``'s first step (its compile) in this process."""
-    model, params, x, dy = _setup(args)
+    model, params, x, dy = decoder_step_inputs(args)
     step = _step(_provider(name, model), x, params, dy)
     start = time.perf_counter()
     step()
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     compile_s = _compile_times(args)
-    model, params, x, dy = _setup(args)
+    model, params, x, dy = decoder_step_inputs(args)
     providers = {name: _provider(name, model) for name in ("eager", "torch_compile", *(f"fastops_{r}" for r in ROUTES))}
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,

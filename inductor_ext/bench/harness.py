@@ -211,6 +211,29 @@ def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return run
 
 
+def reference_and_backend_providers(
+    wrap: Callable[[Callable[..., Any]], Callable[[Inputs], Callable[[], Any]]],
+    reference: Callable[..., Any],
+    ours: Callable[..., Any],
+) -> list[Provider]:
+    """The providers of an op the backend rewrites: ``reference`` (the HF spelling) eager and under
+    ``torch.compile``, ``ours`` eager and compiled, and ``reference`` under ``fastops_inductor`` with
+    route ``auto`` (``fastops_backend``) and each route forced (``"auto"`` should land within a few %
+    of the faster). ``wrap`` makes a provider's build function from a callable."""
+
+    def backend(route: str) -> Callable[..., Any]:
+        return torch.compile(reference, fullgraph=True, backend="fastops_inductor", options={"fastops.route": route})
+
+    return [
+        Provider("hf_eager", wrap(reference)),
+        Provider("torch_compile", wrap(torch.compile(reference, fullgraph=True))),
+        Provider("fastops_eager", wrap(ours)),
+        Provider("fastops_compile", wrap(torch.compile(ours, fullgraph=True))),
+        Provider("fastops_backend", wrap(backend("auto"))),
+        *(Provider(f"fastops_backend_{route}", wrap(backend(route))) for route in ("kernel", "inductor")),
+    ]
+
+
 def run_matrix_op(
     op: str,
     bytes_per_element: Mapping[str, int],

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
+from inductor_ext.bench.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384), (65536, 2048)]
@@ -55,20 +55,7 @@ def _ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def providers(mode: str) -> list[Provider]:
-    wrap = _fwd if mode == "fwd" else _fwd_bwd
-    return [
-        Provider("hf_eager", wrap(_hf)),
-        Provider("torch_compile", wrap(torch.compile(_hf, fullgraph=True))),
-        Provider("fastops_eager", wrap(_ours)),
-        Provider("fastops_compile", wrap(torch.compile(_ours, fullgraph=True))),
-        Provider("fastops_backend", wrap(torch.compile(_hf, fullgraph=True, backend="fastops_inductor"))),
-        # each route forced: "auto" (above) should land within a few % of the faster one
-        *(Provider(f"fastops_backend_{route}", wrap(_backend_with_route(route))) for route in ("kernel", "inductor")),
-    ]
-
-
-def _backend_with_route(route: str) -> Callable[..., torch.Tensor]:
-    return torch.compile(_hf, fullgraph=True, backend="fastops_inductor", options={"fastops.route": route})
+    return reference_and_backend_providers(_fwd if mode == "fwd" else _fwd_bwd, _hf, _ours)
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> list[Result]:
