@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]``:
+``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048] [--no-compile-times]``:
 an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
 forward+backward, side by side: eager, ``torch.compile`` default, and
 ``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).
@@ -98,6 +98,8 @@ def _compile_times(args: Any) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
     parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--no-compile-times", action="store_true",
+                        help="skip the fresh-process compile times (about half of the run)")  # fmt: skip
     parser.add_argument("--first-step", help=argparse.SUPPRESS)  # a child process: one provider's compile time
     args = parse_on_gpu(parser, argv)
     show_route_timing()
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tabulate import tabulate
 
-    compile_s = _compile_times(args)
+    compile_s = {} if args.no_compile_times else _compile_times(args)
     model, params, x, dy = decoder_step_inputs(args)
     providers = {name: _provider(name, model) for name in ("eager", "torch_compile", *(f"fastops_{r}" for r in ROUTES))}
     report: dict[str, Any] = {
@@ -141,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["provider", "ms (graph)", "vs compile (p20-p80 of rounds)", "ms (stream)", "GEMM us", "attention us",
                "other kernels us"]  # fmt: skip
     print(tabulate(rows, headers=headers))
-    base_s = compile_s["torch_compile"]
-    compile_rows = [(name, f"{s:.1f}", f"{s / base_s:.2f}") for name, s in compile_s.items()]
-    print(tabulate(compile_rows, headers=["provider", "first step s (fresh process)", "vs torch.compile's"]))
+    if compile_s:
+        base_s = compile_s["torch_compile"]
+        compile_rows = [(name, f"{s:.1f}", f"{s / base_s:.2f}") for name, s in compile_s.items()]
+        print(tabulate(compile_rows, headers=["provider", "first step s (fresh process)", "vs torch.compile's"]))
     print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "backend_llama.json").write_text(json.dumps(report, indent=1))
