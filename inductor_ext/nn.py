@@ -6,11 +6,12 @@ from torch import Tensor
 from inductor_ext.ops.cross_entropy import cross_entropy
 from inductor_ext.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from inductor_ext.ops.layer_norm import layer_norm
-from inductor_ext.ops.rms_norm import rms_norm
+from inductor_ext.ops.rms_norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` (same constructor and ``weight`` parameter) running :func:`inductor_ext.rms_norm`.
+    """``torch.nn.RMSNorm`` (same constructor and ``weight`` parameter) running :func:`inductor_ext.rms_norm`,
+    or :func:`inductor_ext.add_rms_norm` when called with a ``residual``.
 
     Loads ``torch.nn.RMSNorm`` and HF ``LlamaRMSNorm`` state dicts (both hold one
     ``weight``). ``eps=None`` means 1e-6 (HF's default; ``torch.nn.RMSNorm``
@@ -36,8 +37,12 @@ class RMSNorm(torch.nn.RMSNorm):
         self.offset = offset
         self.casting = casting
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """``norm(x)``; with ``residual``, ``(norm(h), h)`` for ``h = x + residual`` in one kernel
+        (:func:`inductor_ext.add_rms_norm`; vLLM's ``RMSNorm`` convention)."""
         eps = 1e-6 if self.eps is None else self.eps
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, eps, offset=self.offset, casting=self.casting)
         return rms_norm(x, self.weight, eps, offset=self.offset, casting=self.casting)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,4 @@
-``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048] [--no-compile-times]``:
+"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048] [--no-compile-times]``:
 an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
 forward+backward, side by side: eager, ``torch.compile`` default, and
 ``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).

@@ -6,8 +6,8 @@ attention through ``scaled_dot_product_attention``), then ``h + down(swiglu(gate
 states in, hidden states out (no embedding or LM head): the part of a model whose ops we
 replace.
 
-``spelling="fastops"`` calls our ops (``inductor_ext.nn.RMSNorm``,
-``apply_rotary_pos_emb``, ``swiglu``); ``spelling="hf"`` writes them as transformers'
+``spelling="fastops"`` calls our ops (``inductor_ext.nn.RMSNorm``, with the attention's residual
+add fused into the MLP's norm, ``apply_rotary_pos_emb``, ``swiglu``); ``spelling="hf"`` writes them as transformers'
 Llama does (``LlamaRMSNorm``'s float upcast, ``rotate_half``, ``silu(gate) * up``), the
 unmodified model that ``backend="fastops_inductor"`` rewrites. Same parameters, same math.
 """
@@ -72,11 +72,13 @@ class LlamaStyleLayer(nn.Module):
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, d))
-        h = self.post_attention_layernorm(x)
+        attn_out = self.o_proj(attn.transpose(1, 2).reshape(b, s, d))
         if self.spelling == "fastops":
+            h, x = self.post_attention_layernorm(x, attn_out)  # the residual add inside the norm
             mlp = inductor_ext.swiglu(self.gate_proj(h), self.up_proj(h))
         else:
+            x = x + attn_out
+            h = self.post_attention_layernorm(x)
             mlp = F.silu(self.gate_proj(h)) * self.up_proj(h)
         return x + self.down_proj(mlp)
 

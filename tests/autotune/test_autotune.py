@@ -146,14 +146,17 @@ def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
     assert main(["tune", "--entry", ENTRY, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     entries = _entries()
-    # the two layers' three RMSNorms share one signature: one entry; likewise RoPE and SwiGLU
-    assert _route_ops(entries) == [f"fastops::{op}_fwd" for op in ("cross_entropy", "glu", "rms_norm", "rope")]
+    # the first layer's input norm stays an RMSNorm; the norms of residual sums fuse the add and
+    # share one signature (one entry); likewise RoPE and SwiGLU
+    ops = ("add_rms_norm", "cross_entropy", "glu", "rms_norm", "rope")
+    assert _route_ops(entries) == [f"fastops::{op}_fwd" for op in ops]
     assert all(record == {"status": "untuned"} and key.endswith("|cpu") for key, record in entries.items())
     keys = "\n".join(entries)
     assert "fastops::rms_norm_fwd|(float32[32,64], float32[64], 1e-06, 0.0, 'llama')|cpu" in keys
+    assert "fastops::add_rms_norm_fwd|(float32[32,64], float32[32,64], float32[64], 1e-06, 0.0, 'llama')|cpu" in keys
     assert "fastops::glu_fwd|(float32[32,96], float32[32,96], 'silu')|cpu" in keys
     assert "fastops::cross_entropy_fwd|(float32[32,97], int64[32], -100, 0.0, 0.0, 0.0, 'mean')|cpu" in keys
-    assert out.count("untuned") == 4
+    assert out.count("untuned") == 5
 
     assert main(["show"]) == 0
     shown = capsys.readouterr().out

@@ -113,3 +113,14 @@ def test_opcheck_both_ops():
 def test_bad_input_names_the_argument(residual, error, match):
     with pytest.raises(error, match=match):
         add_rms_norm(torch.ones(3, 4), residual, torch.ones(4))
+
+
+def test_nn_module_takes_a_residual():
+    """``inductor_ext.nn.RMSNorm(x, residual)`` returns ``(norm(x + residual), x + residual)``, vLLM's convention."""
+    import inductor_ext
+
+    norm = inductor_ext.nn.RMSNorm(64, eps=1e-5)
+    x, r = torch.randn(3, 5, 64, device=DEVICE), torch.randn(3, 5, 64, device=DEVICE)
+    y, h = norm.to(DEVICE)(x, r)
+    assert h.shape == x.shape and rel_err(h, x.double() + r.double()) < OUTPUT[torch.float32]
+    assert rel_err(y, norm(x + r)) < OUTPUT[torch.float32]
