@@ -90,6 +90,19 @@ def test_gradient_through_one_output_only():
     assert torch.equal(torch.autograd.grad(h, r, dh)[0], dh)
 
 
+def test_strided_and_zero_size_inputs():
+    x = torch.randn(64, 6, device=DEVICE).t()  # last dim not unit-stride: copied by the public function
+    r = torch.randn(6, 128, device=DEVICE)[:, ::2]
+    w = torch.randn(64, device=DEVICE)
+    y, h = add_rms_norm(x, r, w)
+    assert rel_err(h, x.double() + r.double()) < OUTPUT[torch.float32]
+    assert rel_err(y, rms_norm_ref((x + r).double(), w.double())) < OUTPUT[torch.float32]
+    empty = torch.empty(0, 64, device=DEVICE, requires_grad=True)
+    y, h = add_rms_norm(empty, torch.empty(0, 64, device=DEVICE), w)
+    assert y.shape == h.shape == (0, 64)
+    assert torch.autograd.grad((y.sum() + h.sum()), empty)[0].shape == (0, 64)
+
+
 def test_opcheck_both_ops():
     x, r = (torch.randn(6, 40, requires_grad=True) for _ in range(2))
     w = torch.randn(40, requires_grad=True)
@@ -124,3 +137,59 @@ def test_nn_module_takes_a_residual():
     y, h = norm.to(DEVICE)(x, r)
     assert h.shape == x.shape and rel_err(h, x.double() + r.double()) < OUTPUT[torch.float32]
     assert rel_err(y, norm(x + r)) < OUTPUT[torch.float32]
+
+
+# torch.compile, cpp_wrapper and AOTInductor on CPU: the compiled graphs run the ops' CPU branch
+# (aten math compiled to C++) while eager runs the interpreted kernels. Few, small compiles.
+
+
+def _compiled_matches_eager(compiled, shape=(3, 5, 64)):
+    x, r, dy, dh = (torch.randn(shape) for _ in range(4))
+    w = 1 + 0.1 * torch.randn(shape[-1])
+
+    def leaves():
+        return [t.detach().clone().requires_grad_() for t in (x, r, w)]
+
+    got = _residual_block(compiled, *leaves(), dy, dh)
+    expected = _residual_block(add_rms_norm, *leaves(), dy, dh)
+    for name, o, e in zip(("y", "h", "dx", "dr", "dw"), got, expected):
+        assert o.shape == e.shape and o.dtype == e.dtype, name
+        assert rel_err(o, e) < OUTPUT[torch.float32] + reduced_grad(torch.float32, 15), (name, rel_err(o, e))
+
+
+def test_fullgraph_compile_and_cpp_wrapper_match_eager():
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    _compiled_matches_eager(torch.compile(add_rms_norm, fullgraph=True, dynamic=False))
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        _, codes = run_and_get_code(_compiled_matches_eager, torch.compile(add_rms_norm, fullgraph=True))
+    assert codes and all("cpp_wrapper_src" in code and "def call(" not in code for code in codes)
+
+
+def test_aoti_package_keeps_the_op_and_matches_eager(tmp_path):
+    import inductor_ext
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.norm = torch.nn.Linear(32, 32), inductor_ext.nn.RMSNorm(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, h = self.norm(x, self.proj(x))
+            return h + self.proj(y)
+
+    model = Block().eval()
+    x = torch.randn(2, 8, 32)
+    ep = torch.export.export(model, (x,))
+    assert torch.ops.fastops.add_rms_norm_fwd.default in [n.target for n in ep.graph.nodes]
+    runner = torch._inductor.aoti_load_package(
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block.pt2"))
+    )
+    with torch.no_grad():
+        for inputs in (x, torch.randn_like(x)):
+            assert rel_err(runner(inputs), model(inputs)) < OUTPUT[torch.float32]
