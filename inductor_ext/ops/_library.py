@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 import triton
+import triton.testing
 from torch._ops import OpOverload
 from torch.library import triton_op, wrap_triton
 from triton.runtime._async_compile import active_mode as async_compile_mode
@@ -185,7 +186,8 @@ class DirectLaunch:
         tuned = self._tuned.get(key)
         if tuned is None:
             precompile_configs(kernel, grid, args, kwargs)
-            kernel[grid](*args, **kwargs)
+            with quick_benchmarks(kernel):
+                kernel[grid](*args, **kwargs)
             self._tuned[key] = kernel.best_config.all_kwargs()
             return
         meta = {**kwargs, **tuned}
@@ -242,6 +244,31 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
             for config in configs:
                 meta = {**kwargs, **config.all_kwargs()}
                 kernel.fn.warmup(*args, grid=grid(meta), **meta)
+
+
+AUTOTUNE_BENCH_MS = (5, 25)
+"""Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
+25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
+before every run: at the defaults, about 0.14 s per config, which made up most of a cold route
+timing's "first launches" on the H200 (≈ 0.2 s per config all told, 68 configs in a decoder).
+25 ms still gives ≥ 25 runs of a 1 ms kernel and hundreds of a 20 µs one for the median."""
+
+
+@contextlib.contextmanager
+def quick_benchmarks(kernel: Autotuner) -> Iterator[None]:
+    """Within: ``kernel``'s autotuner times each config for :data:`AUTOTUNE_BENCH_MS` instead of
+    Triton's defaults. Not set on the autotuners themselves: Inductor accepts a user kernel's
+    autotuner only with the default benchmark settings."""
+    previous = kernel.__dict__.get("do_bench")  # Triton's cached_property, once read
+    warmup, rep = AUTOTUNE_BENCH_MS
+    kernel.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del kernel.do_bench
+        else:
+            kernel.do_bench = previous  # type: ignore[misc]
 
 
 @contextlib.contextmanager
@@ -357,7 +384,9 @@ def define_op_family(
     DECOMPOSITIONS[fwd_op] = fwd_math
     DECOMPOSITIONS[bwd_op] = bwd_math
     tensor_args = tuple(i for i, a in enumerate(fwd_op._schema.arguments) if _is_tensor_type(a.type))
-    family = OpFamily(name, fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args, _run_bwd_direct, setup_context, backward)
+    family = OpFamily(
+        name, fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args, _run_bwd_direct, setup_context, backward
+    )
     FAMILIES[fwd_op] = family
     FAMILY_OF.update(dict.fromkeys((fwd_op._name, bwd_op._name), name))
     return family

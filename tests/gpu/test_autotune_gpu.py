@@ -4,7 +4,7 @@ times nothing (no route timing, no kernel benchmarking) and launches the recorde
 import pytest
 import torch
 
-import inductor_ext  # noqa: F401  (registers the ops and the backend)
+import inductor_ext
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
@@ -95,3 +95,27 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     rms_norm_fwd_kernel[grid](*args, **kwargs)  # the autotuner times every config: all cached
     assert len(cache) - before == compiled
     torch.testing.assert_close(y.float(), rms_norm_ref(x, w, 1e-6).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
+    """DirectLaunch's first launch autotunes with AUTOTUNE_BENCH_MS per config; later launches time nothing."""
+    import triton.testing
+
+    from inductor_ext.ops._library import AUTOTUNE_BENCH_MS
+
+    budgets = []
+    real = triton.testing.do_bench
+
+    def recording(fn, *args, **kwargs):
+        budgets.append((kwargs.get("warmup"), kwargs.get("rep")))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(triton.testing, "do_bench", recording)
+    x = torch.randn(333, 2999, device="cuda", dtype=torch.bfloat16)  # a row length no other test launches
+    w = torch.randn(2999, device="cuda", dtype=torch.bfloat16)
+    y = inductor_ext.rms_norm(x, w)
+    assert len(budgets) > 1 and set(budgets) == {AUTOTUNE_BENCH_MS}
+    timed = len(budgets)
+    inductor_ext.rms_norm(x, w)
+    assert len(budgets) == timed  # tuned once per shape: the second launch times nothing
+    torch.testing.assert_close(y, rms_norm_ref(x, w), rtol=2e-2, atol=2e-2)

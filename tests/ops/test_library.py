@@ -69,3 +69,16 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
     assert all(grid == (meta["BLOCK_M"],) and meta["HAS_WEIGHT"] for grid, meta in compiled)
     assert active_mode.get() is None
     assert rms_norm_bwd_kernel.nargs is None  # the autotuner is left as Triton leaves it
+
+
+def test_quick_benchmarks_shortens_the_autotuners_timing_only_within():
+    """A first launch's autotuning times each config for AUTOTUNE_BENCH_MS (not Triton's 25 + 100 ms);
+    the autotuner itself keeps Triton's default, which Inductor requires of user kernels."""
+    from inductor_ext.kernels.glu import glu_fwd_kernel
+    from inductor_ext.ops._library import AUTOTUNE_BENCH_MS, quick_benchmarks
+
+    assert "do_bench" not in glu_fwd_kernel.__dict__
+    with quick_benchmarks(glu_fwd_kernel):
+        bench = glu_fwd_kernel.do_bench
+        assert (bench.keywords["warmup"], bench.keywords["rep"]) == AUTOTUNE_BENCH_MS
+    assert "do_bench" not in glu_fwd_kernel.__dict__
