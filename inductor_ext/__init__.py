@@ -9,6 +9,7 @@ from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
     add_rms_norm,
+    add_rms_norm_ref,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
@@ -33,6 +34,7 @@ __all__ = [
     "ExportError",
     "__version__",
     "add_rms_norm",
+    "add_rms_norm_ref",
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_",
     "apply_rotary_pos_emb_ref",

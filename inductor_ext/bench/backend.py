@@ -39,8 +39,7 @@ from inductor_ext.bench.harness import (
     show_route_timing,
 )
 from inductor_ext.bench.llama import LlamaStyleDecoder
-
-ROUTES = ("auto", "kernel", "inductor")
+from inductor_ext.inductor.options import ROUTES
 
 
 def _step(fn: Any, x: torch.Tensor, params: Sequence[torch.Tensor], dy: torch.Tensor) -> Any:

@@ -127,16 +127,20 @@ def _insert_rows_call(node: Node, family: OpFamily, rows: list[Node], args: tupl
     """
     graph: Graph = node.graph
     with graph.inserting_before(node):
-        flat = []
-        for row in rows:
-            row2d = _with_value(graph.call_method("reshape", (row, -1, _value(row).shape[-1])))
-            if _value(row).stride(-1) != 1:
-                row2d = _with_value(graph.call_method("contiguous", (row2d,)))
-            flat.append(row2d)
-        out = _with_value(graph.call_function(family.fwd, (*flat, *args)))
+        out = _with_value(graph.call_function(family.fwd, (*map(_rows_2d, rows), *args)))
         if isinstance(_value(out), (tuple, list)):
             out = _with_value(graph.call_function(operator.getitem, (out, 0)))
         return _with_value(graph.call_method("view_as", (out, like)))
+
+
+def _rows_2d(t: Node) -> Node:
+    """``t`` as ``(rows, last dim)`` at the graph's insertion point, as the public functions flatten
+    leading dims (a copy only when the example value lacks a unit-stride last dim)."""
+    graph = t.graph
+    row2d = _with_value(graph.call_method("reshape", (t, -1, _value(t).shape[-1])))
+    if _value(t).stride(-1) != 1:
+        row2d = _with_value(graph.call_method("contiguous", (row2d,)))
+    return row2d
 
 
 def _with_value(node: Node) -> Node:
@@ -320,13 +324,7 @@ def _add_rms_norm(node: Node) -> Node | None:
     x, r = operands
     graph: Graph = node.graph
     with graph.inserting_before(node):
-        flat = []
-        for t in (x, r):
-            t2d = _with_value(graph.call_method("reshape", (t, -1, hv.shape[-1])))
-            if _value(t).stride(-1) != 1:
-                t2d = _with_value(graph.call_method("contiguous", (t2d,)))
-            flat.append(t2d)
-        fused = _with_value(graph.call_function(add_rms_norm_family.fwd, (*flat, *node.args[1:])))
+        fused = _with_value(graph.call_function(add_rms_norm_family.fwd, (_rows_2d(x), _rows_2d(r), *node.args[1:])))
         h_rows = _with_value(graph.call_function(operator.getitem, (fused, 2)))
         new_h = _with_value(graph.call_method("view_as", (h_rows, x)))
     for user in others:

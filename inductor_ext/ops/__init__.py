@@ -14,14 +14,14 @@ from inductor_ext.ops.glu import (
     swiglu_ref,
 )
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_ref
-from inductor_ext.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_ref
+from inductor_ext.ops.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
 )
 
-__all__ = ["add_rms_norm", "rms_norm", "rms_norm_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref"]
 __all__ += ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["layer_norm", "layer_norm_ref"]

@@ -225,10 +225,10 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
     """Compile every config ``kernel``'s autotuner will time for this launch, in parallel; its
     timing then finds them compiled.
 
-    Triton's autotuner compiles them one by one as it times them, and compiling dominates a first
-    launch: the 18 RMSNorm backward configs take 7.6 s on one thread, 4.3 s on two (Triton's
-    compiler releases the GIL; measured compiling for sm_90 on a 2-core CPU host). This is what
-    a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
+    Triton's autotuner compiles them one by one as it times them: the 18 RMSNorm backward configs
+    take 7.6 s on one thread, 4.3 s on two (Triton's compiler releases the GIL in part; measured
+    compiling for sm_90 on a 2-core CPU host). With the timing itself (:func:`quick_benchmarks`),
+    this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
     Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
     only the compile to a worker thread; leaving the mode installs the kernels in the cache.
     Inductor's compile-worker processes were tried instead (session 6, H200): slower, since each

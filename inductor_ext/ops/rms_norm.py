@@ -311,4 +311,14 @@ def rms_norm_ref(
     return (h.to(x.dtype).to(compute) * (offset + weight.to(compute))).to(_out_dtype(x, weight, casting))
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_family", "rms_norm", "rms_norm_family", "rms_norm_ref"]
+def add_rms_norm_ref(
+    x: Tensor, residual: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Plain-PyTorch :func:`add_rms_norm`, the unfused HF spelling: the residual add, then
+    :func:`rms_norm_ref` of the sum; ``(y, h)``."""
+    h = x + residual
+    return rms_norm_ref(h, weight, eps, offset=offset, casting=casting), h
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_family", "add_rms_norm_ref", "rms_norm", "rms_norm_family", "rms_norm_ref"]
