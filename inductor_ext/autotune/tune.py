@@ -22,6 +22,7 @@ from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.report import progress
 from inductor_ext.inductor.choice import RouteDecision, decide_routes, route_key
 from inductor_ext.inductor.options import BackendOptions
+from inductor_ext.ops._library import thorough_benchmarks
 
 UNTUNED = {"status": "untuned"}
 
@@ -35,13 +36,15 @@ def record_untuned(calls: Sequence[OpCall], database: TuningDatabase) -> None:
 
 def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions) -> list[RouteDecision]:
     """Decisions (forward and backward) for every call on ``device``, a GPU. A call whose
-    random inputs do not fit in the GPU's free memory is skipped with a warning (nothing stored)."""
+    random inputs do not fit in the GPU's free memory is skipped with a warning (nothing stored).
+    Our kernels' configs are timed with Triton's full benchmark budget (:func:`thorough_benchmarks`)."""
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device to time on, got {device}")
     decisions: list[RouteDecision] = []
     for call in progress(calls, "tuning"):
         try:
-            decisions.extend(decide_routes(call.family, call.args, options, database, device))
+            with thorough_benchmarks():
+                decisions.extend(decide_routes(call.family, call.args, options, database, device))
         except torch.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             log.warning("out of GPU memory tuning %s%s, skipped: %s", call.op, call.signature, str(error).splitlines()[0])

@@ -119,3 +119,26 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
     inductor_ext.rms_norm(x, w)
     assert len(budgets) == timed  # tuned once per shape: the second launch times nothing
     torch.testing.assert_close(y, rms_norm_ref(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
+    """Within thorough_benchmarks (the standalone tuner's setting) a first launch autotunes without
+    quick_benchmarks; outside, with it."""
+    import contextlib
+
+    from inductor_ext.ops import _library
+
+    shortened = []
+
+    @contextlib.contextmanager
+    def recording(kernel):
+        shortened.append(kernel)
+        yield
+
+    monkeypatch.setattr(_library, "quick_benchmarks", recording)
+    x = torch.randn(77, 3001, device="cuda", dtype=torch.bfloat16)  # row lengths no other test launches
+    with _library.thorough_benchmarks():
+        inductor_ext.rms_norm(x)
+    assert shortened == [] and _library.DirectLaunch.quick_first_launch
+    inductor_ext.rms_norm(torch.randn(77, 3003, device="cuda", dtype=torch.bfloat16))
+    assert len(shortened) == 1

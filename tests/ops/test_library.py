@@ -1,5 +1,6 @@
 """The op recipe's launch helpers (what every op's traced kernel launch goes through)."""
 
+import pytest
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
@@ -82,3 +83,14 @@ def test_quick_benchmarks_shortens_the_autotuners_timing_only_within():
         bench = glu_fwd_kernel.do_bench
         assert (bench.keywords["warmup"], bench.keywords["rep"]) == AUTOTUNE_BENCH_MS
     assert "do_bench" not in glu_fwd_kernel.__dict__
+
+
+def test_thorough_benchmarks_turn_the_quick_first_launch_off_only_within():
+    from inductor_ext.ops._library import DirectLaunch, thorough_benchmarks
+
+    assert DirectLaunch.quick_first_launch
+    with pytest.raises(RuntimeError, match="inside"):
+        with thorough_benchmarks():
+            assert not DirectLaunch.quick_first_launch
+            raise RuntimeError("inside")
+    assert DirectLaunch.quick_first_launch
