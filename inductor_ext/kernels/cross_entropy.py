@@ -33,6 +33,23 @@ Two strategies, chosen by autotuning among :func:`search_space`:
 
 One program per row in the forward. The backward has no reduction left: a 2-D grid
 of (row, ``BLOCK_V`` chunk) programs (:func:`bwd_search_space`).
+
+Eager training on CUDA takes a two-pass path instead (:data:`cross_entropy_fwd_grad_kernel`):
+the forward writes the gradient for ``grad_output = 1`` from a single read of the logits,
+each row split over ``C = cdiv(V, BLOCK_V)`` programs that keep their chunk in registers::
+
+    chunk c:  m_c = max_j z_j,  lse_c = m_c + log(sum_j exp(z_j - m_c))     (published)
+    all c:    lse = M + log(sum_c exp(lse_c - M)),  M = max_c lse_c        (each program)
+              exp(z_j - lse) = exp(z_j - m_c) * exp(m_c - lse)              (no second exp pass)
+
+A program publishes ``lse_c`` (and, with label smoothing, its chunk's ``sum_j z_j``) with one
+64-bit atomic exchange (a set flag bit over the fp32 bits) and spins until its row's other
+chunks have published. Programs take rows in the order they start (a ticket from an atomic
+counter), so the programs a row waits for have started or will start as soon as an SM has
+room: the wait ends whenever a row's ``C`` programs fit on the GPU at once (``C <=``
+:data:`GRAD_IN_FORWARD_MAX_CHUNKS`, and the op falls back to the three-pass path on GPUs
+with fewer SMs). The backward then only multiplies by ``grad_output``, in place, and returns
+at once when it is 1 (:func:`scale_unless_one_kernel`).
 """
 
 import dataclasses
@@ -338,3 +355,149 @@ def scale_rows_kernel(X, OUT, SCALE, stride_x, stride_out, stride_scale, V, BLOC
     scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_out + cols, (x * scale).to(OUT.dtype.element_ty), mask=mask)
+
+
+# --- two-pass eager training path: the gradient written by the forward -------------------------
+
+GRAD_IN_FORWARD_MAX_CHUNKS = 64
+"""Most programs one row is split over (they must all be resident at once: see the module docstring)."""
+
+GRAD_IN_FORWARD_CHUNKED = ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32), (16384, 32))
+"""(BLOCK_V, num_warps) of rows split into chunks: 8-16 fp32 values per thread. ptxas (sm_90, Triton
+3.6) keeps all in registers (50-164 of them) except at 16384 / 32 warps (64-register cap: spills
+96-176 bytes) and 8192 / 16 warps with label smoothing and soft-capping (8 bytes)."""
+
+
+def grad_in_forward_search_space(v: int) -> list[triton.Config]:
+    """Configs for rows of ``v`` classes, fewest chunks first: the whole row in one program when
+    ``next_pow2(v) <= MAX_PERSISTENT_BLOCK``, then chunks narrower than the row, at most
+    :data:`GRAD_IN_FORWARD_MAX_CHUNKS` of them."""
+    block = triton.next_power_of_2(max(v, 1))
+    pairs = []
+    if block <= MAX_PERSISTENT_BLOCK:
+        pairs += [(block, w) for w in (1, 2, 4, 8, 16, 32) if _per_thread_ok(block, w)]
+    pairs += [(b, w) for b, w in GRAD_IN_FORWARD_CHUNKED if b < block and triton.cdiv(v, b) <= GRAD_IN_FORWARD_MAX_CHUNKS]
+    pairs.sort(key=lambda pair: (triton.cdiv(v, pair[0]), abs(pair[0] // (32 * pair[1]) - 16)))
+    return [triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in pairs]
+
+
+def grad_in_forward_max_chunks(v: int) -> int:
+    """Most chunks any config splits a row of ``v`` classes into (0: no config can)."""
+    return max((triton.cdiv(v, c.kwargs["BLOCK_V"]) for c in grad_in_forward_search_space(v)), default=0)
+
+
+def _grad_in_forward_all_configs() -> list[triton.Config]:
+    seen: dict[tuple[int, int], None] = {}
+    for log2 in range(21):
+        seen.update(dict.fromkeys((c.kwargs["BLOCK_V"], c.num_warps) for c in grad_in_forward_search_space(2**log2)))
+    return [triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in seen]
+
+
+def _grad_in_forward_prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    order = {(c.kwargs["BLOCK_V"], c.num_warps): i for i, c in enumerate(grad_in_forward_search_space(named_args["V"]))}
+    kept = [c for c in configs if (c.kwargs["BLOCK_V"], c.num_warps) in order]
+    return sorted(kept, key=lambda c: order[(c.kwargs["BLOCK_V"], c.num_warps)])
+
+
+@triton.jit
+def _publish(SLOT, value):
+    """SLOT (int64, zeroed before the launch) = fp32 bits of ``value`` with bit 32 set, in one atomic."""
+    bits = value.to(tl.uint32, bitcast=True).to(tl.int64)
+    tl.atomic_xchg(SLOT, bits | (1 << 32), sem="release")
+
+
+@triton.jit
+def _wait_published(SLOTS, count, MAX_CHUNKS: tl.constexpr):
+    """(values, mask): the ``count`` values published at SLOTS[0:count], once all are (spinning until
+    then), in a vector of MAX_CHUNKS lanes of which ``mask`` marks the first ``count``."""
+    ks = tl.arange(0, MAX_CHUNKS)
+    mask = ks < count
+    packed = tl.load(SLOTS + ks, mask=mask, other=1 << 32, volatile=True)
+    while tl.min(packed, axis=0) == 0:
+        packed = tl.load(SLOTS + ks, mask=mask, other=1 << 32, volatile=True)
+    return (packed & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True), mask
+
+
+@triton.jit
+def _cross_entropy_fwd_grad(
+    LOGITS, DLOGITS, LOSS, LABELS, GRAD_SCALE, SYNC,
+    stride_logits, stride_dlogits, N, V,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk), in ticket order: DLOGITS[row, chunk] (the gradient times GRAD_SCALE,
+    a 0-dim scalar) and, for chunk 0, LOSS[row], from one read of LOGITS[row, chunk] (module
+    docstring). SYNC: int64 zeros, ``1 + N * C`` of them (``1 + 2 * N * C`` with HAS_SMOOTHING):
+    the ticket counter, then each row's published log-sum-exps (then chunk sums of z).
+    DLOGITS must not be LOGITS (chunk 0 reads the target logit after the others may have written).
+    """
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    chunks = tl.cdiv(V, BLOCK_V)
+    ticket = tl.atomic_add(SYNC, 1)  # int64: rows in the order programs start
+    row = ticket // chunks
+    chunk = ticket % chunks
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    dx_ptrs = DLOGITS + row * stride_dlogits + cols
+    label = tl.load(LABELS + row).to(tl.int64)
+    if label == ignore_index:
+        tl.store(dx_ptrs, tl.zeros([BLOCK_V], tl.float32).to(DLOGITS.dtype.element_ty), mask=mask)
+        if chunk == 0:
+            tl.store(LOSS + row, 0.0)
+    else:
+        x_row = LOGITS + row * stride_logits
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        z, t = _softcap(x, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        z_max = tl.max(z, axis=0)
+        e = tl.exp(z - z_max)
+        lse_slots = SYNC + 1 + row * chunks
+        sum_slots = SYNC + 1 + N * chunks + row * chunks  # used with HAS_SMOOTHING
+        _publish(lse_slots + chunk, z_max + tl.log(tl.sum(e, axis=0)))
+        if HAS_SMOOTHING:
+            _publish(sum_slots + chunk, tl.sum(tl.where(mask, z, 0.0), axis=0))
+        lse_parts, published = _wait_published(lse_slots, chunks, MAX_CHUNKS)
+        lse_parts = tl.where(published, lse_parts, float("-inf"))
+        m = tl.max(lse_parts, axis=0)
+        lse = m + tl.log(tl.sum(tl.exp(lse_parts - m), axis=0))
+        in_range = (label >= 0) & (label < V)
+        scale = 1.0
+        if HAS_GRAD_SCALE:
+            scale = tl.load(GRAD_SCALE).to(tl.float32)
+        z_coef = 1.0 + 2.0 * lse_square_scale * lse
+        target_weight = tl.where(in_range, 1.0 - label_smoothing, 0.0)
+        g = e * (tl.exp(z_max - lse) * z_coef) - label_smoothing / V - tl.where(cols == label, target_weight, 0.0)
+        if HAS_SOFTCAP:
+            g = g * (1.0 - t * t)
+        tl.store(dx_ptrs, (g * scale).to(DLOGITS.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        if chunk == 0:
+            x_y = tl.load(x_row + tl.where(in_range, label, 0)).to(tl.float32)
+            z_y, _t_y = _softcap(x_y, softcap, HAS_SOFTCAP)
+            loss = lse - (1.0 - label_smoothing) * z_y + lse_square_scale * lse * lse
+            if HAS_SMOOTHING:
+                z_sums, published = _wait_published(sum_slots, chunks, MAX_CHUNKS)
+                loss -= label_smoothing / V * tl.sum(tl.where(published, z_sums, 0.0), axis=0)
+            tl.store(LOSS + row, tl.where(in_range, loss, float("nan")))
+
+
+cross_entropy_fwd_grad_kernel = triton.autotune(
+    configs=_grad_in_forward_all_configs(),
+    key=["V"],
+    prune_configs_by={"early_config_prune": _grad_in_forward_prune},
+    reset_to_zero=["SYNC"],
+)(_cross_entropy_fwd_grad)
+"""Grid ``(N * cdiv(V, BLOCK_V),)``; SYNC zeroed before every launch (and every timed run)."""
+
+
+@triton.jit
+def scale_unless_one_kernel(X, GRAD_OUTPUT, numel, BLOCK: tl.constexpr):
+    """X *= GRAD_OUTPUT (a 0-dim scalar) in place, grid-stride; every program returns at once when it is 1."""
+    g = tl.load(GRAD_OUTPUT).to(tl.float32)
+    if g != 1.0:
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(X + offs, mask=offs < numel).to(tl.float32)
+            tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=offs < numel)
