@@ -3,11 +3,10 @@
 The reference is HF's spelling: ``F.cross_entropy(logits.float(), labels)`` (mean over
 non-ignored tokens, 1 in 8 labels ignored). Minimal bytes: the forward (no gradient
 needed) reads the logits once (``N·V·s``); forward+backward reads them once and writes
-the gradient once (``2·N·V·s``). The backward is timed through ``torch.autograd.grad``
-with ``grad_output = 1``. ``fastops_eager`` is the two-pass eager training path (the
-forward writes the gradient; the backward's scaling returns at once on the device for a
-unit ``grad_output``); ``fastops_inplace`` and ``fastops_compile`` run the three-pass
-kernels (forward, then a backward reading the logits again), in place and compiled.
+the gradient once (``2·N·V·s``), the floor our forward reaches by computing the
+gradient while it reads. The backward is timed through ``torch.autograd.grad`` with
+``grad_output = 1``: the default path then still spends one scaling pass
+(read + write of the gradient, a fresh buffer), the in-place path skips it on the device.
 """
 
 from collections.abc import Callable

@@ -38,29 +38,15 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.cross_entropy import (
-    GRAD_IN_FORWARD_MAX_CHUNKS,
-    MAX_PERSISTENT_BLOCK,
     SCALE_BLOCK,
     cross_entropy_bwd_inplace_kernel,
     cross_entropy_bwd_kernel,
-    cross_entropy_fwd_grad_kernel,
     cross_entropy_fwd_inplace_kernel,
     cross_entropy_fwd_kernel,
-    grad_in_forward_max_chunks,
     scale_rows_kernel,
-    scale_unless_one_kernel,
 )
 from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import (
-    DirectLaunch,
-    Launch,
-    define_mutating_op,
-    define_op_family,
-    grid_stride_programs,
-    kernels_run_on,
-    sm_count,
-    use_eager_bypass,
-)
+from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -389,93 +375,6 @@ class _CrossEntropyInplace(torch.autograd.Function):
         return logits, None, None, None, None, None, None
 
 
-# --- eager training: the gradient written by the forward (two passes over the logits) -----------
-
-SCALE_UNLESS_ONE_BLOCK = 4096
-
-
-def grad_in_forward_applies(logits: Tensor, labels: Tensor, reduction: str, inplace_backward: bool) -> bool:
-    """Whether :class:`_CrossEntropyGradInForward` takes this call: plain eager (nothing tracing), a
-    gradient wanted, ``"mean"``/``"sum"`` (``"none"``'s per-row ``grad_output`` is not known in the
-    forward), kernels on this device, a row split into chunks that all fit on the GPU at once."""
-    if inplace_backward or reduction == "none" or not (torch.is_grad_enabled() and logits.requires_grad):
-        return False
-    if not (use_eager_bypass([logits, labels]) and kernels_run_on(logits.device)):
-        return False
-    if logits.device.type != "cuda":  # the interpreter runs programs one by one: a row must be one program
-        return triton.next_power_of_2(logits.shape[-1]) <= MAX_PERSISTENT_BLOCK
-    chunks = grad_in_forward_max_chunks(logits.shape[-1])
-    return 0 < chunks <= min(sm_count(logits.device.index), GRAD_IN_FORWARD_MAX_CHUNKS)
-
-
-def launch_cross_entropy_grad_in_forward(
-    launch: Launch, logits: Tensor, labels: Tensor, grad_scale: Tensor | None, options: tuple[int, float, float, float]
-) -> tuple[Tensor, Tensor]:
-    """(row losses, gradient for ``grad_output = 1`` times ``grad_scale``) from one read of ``logits``."""
-    ignore_index, label_smoothing, lse_square_scale, softcap = options
-    n, v = logits.shape
-    row_loss = logits.new_empty((n,), dtype=torch.float32)
-    dlogits = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
-    if n == 0:
-        return row_loss, dlogits
-    slots = n * grad_in_forward_max_chunks(v) * (2 if label_smoothing > 0 else 1)
-    sync = torch.zeros(1 + slots, dtype=torch.int64, device=logits.device)
-    launch(
-        cross_entropy_fwd_grad_kernel, lambda meta: (n * triton.cdiv(v, meta["BLOCK_V"]),),
-        logits, dlogits, row_loss, labels, grad_scale, sync,
-        logits.stride(0), dlogits.stride(0), n, v, ignore_index, label_smoothing, lse_square_scale, softcap,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap > 0,
-        MAX_CHUNKS=GRAD_IN_FORWARD_MAX_CHUNKS,
-    )  # fmt: skip
-    return row_loss, dlogits
-
-
-def launch_scale_unless_one(launch: Launch, x: Tensor, grad_output: Tensor) -> None:
-    """``x *= grad_output`` (0-dim) in place on the device, a no-op when it is 1 (no host sync)."""
-    programs = min(triton.cdiv(x.numel(), SCALE_UNLESS_ONE_BLOCK), grid_stride_programs(x.device, 4))
-    if programs:
-        launch(
-            scale_unless_one_kernel, lambda meta: (programs,),
-            x, grad_output, x.numel(), BLOCK=SCALE_UNLESS_ONE_BLOCK, num_warps=4,
-        )  # fmt: skip
-
-
-class _CrossEntropyGradInForward(torch.autograd.Function):
-    """Eager training with ``"mean"``/``"sum"``: the forward reads the logits once and writes both the
-    loss and the gradient of ``loss`` (:data:`inductor_ext.kernels.cross_entropy.cross_entropy_fwd_grad_kernel`);
-    the backward multiplies that gradient by ``grad_output`` in place and returns it, launching a
-    kernel that returns at once when ``grad_output`` is 1 (``loss.backward()``). Two passes over the
-    ``N x V`` logits (read, write) instead of the functional op's three. Never traced: compiled graphs
-    use the functional ops (AOTAutograd accepts no backward that mutates a saved tensor).
-
-    The gradient is handed over, not kept: a second backward through the same graph
-    (``retain_graph=True``) raises.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, labels: Tensor, *options: Any) -> Tensor:
-        ignore_index, label_smoothing, lse_square_scale, softcap, reduction = options
-        logits, labels = unit_last_stride(logits), labels.contiguous()
-        count, grad_scale = count_and_grad_scale(labels, ignore_index, reduction)
-        launch = DirectLaunch()
-        row_loss, ctx.dlogits = launch_cross_entropy_grad_in_forward(
-            launch, logits, labels, grad_scale, (ignore_index, label_smoothing, lse_square_scale, softcap)
-        )
-        return reduce_loss(row_loss, count, reduction)
-
-    @staticmethod
-    def backward(ctx: Any, dloss: Tensor) -> tuple[Tensor | None, ...]:
-        if ctx.dlogits is None:
-            raise RuntimeError(
-                "cross_entropy: this graph's backward already ran and handed over the logits' gradient "
-                "(computed in the forward); backpropagating twice (retain_graph=True) is not supported "
-                "on this path: call cross_entropy under torch.compile for that"
-            )
-        dlogits, ctx.dlogits = ctx.dlogits, None
-        launch_scale_unless_one(DirectLaunch(), dlogits, dloss.float().contiguous())
-        return dlogits, None, None, None, None, None, None
-
-
 # --- public API ----------------------------------------------------------------------------------
 
 
@@ -571,9 +470,7 @@ def cross_entropy(
     if logits.device.type == "cpu" and not torch.compiler.is_compiling():
         check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
     options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction)
-    if grad_in_forward_applies(logits2d, labels1d, reduction, inplace_backward):
-        loss = _CrossEntropyGradInForward.apply(logits2d, labels1d, *options)
-    elif inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         loss = _CrossEntropyInplace.apply(logits2d, labels1d, *options)
     else:
         loss, _lse = cross_entropy_family(logits2d, labels1d, *options)

@@ -8,19 +8,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
-from inductor_ext.kernels.cross_entropy import (
-    MAX_PERSISTENT_BLOCK,
-    bwd_search_space,
-    grad_in_forward_search_space,
-    search_space,
-)
+from inductor_ext.kernels.cross_entropy import MAX_PERSISTENT_BLOCK, bwd_search_space, search_space
 from inductor_ext.ops._library import force_launch_config
-from inductor_ext.ops.cross_entropy import (
-    cross_entropy,
-    cross_entropy_family,
-    cross_entropy_ref,
-    grad_in_forward_applies,
-)
+from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_family, cross_entropy_ref
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, rel_err
 
@@ -44,22 +34,12 @@ def _loss_and_grad(f, logits, labels, grad_out, **kw):
     return loss, dx
 
 
-def three_pass(logits, labels, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-               softcap=None):  # fmt: skip
-    """The functional op with autograd (forward kernel, then backward kernel): what compiled graphs
-    run, and eager with ``reduction="none"``; the public function's eager training path for
-    ``"mean"``/``"sum"`` writes the gradient in the forward instead."""
-    options = (ignore_index, label_smoothing, lse_square_scale, softcap or 0.0, reduction)
-    loss, _lse = cross_entropy_family(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), *options)
-    return loss.view(labels.shape) if reduction == "none" else loss
-
-
-def _check_against_float64(shape, dtype, f=cross_entropy, **kw):
+def _check_against_float64(shape, dtype, **kw):
     logits, labels = _logits_labels(shape, dtype)
     ref_loss = cross_entropy_ref(logits.double(), labels, **kw)
     grad_out = torch.rand_like(ref_loss) + 0.5
     ref = _loss_and_grad(cross_entropy_ref, logits.double(), labels, grad_out, **kw)
-    loss, dx = _loss_and_grad(f, logits, labels, grad_out.float(), **kw)
+    loss, dx = _loss_and_grad(cross_entropy, logits, labels, grad_out.float(), **kw)
     assert loss.dtype == torch.float32 and loss.shape == ref[0].shape
     assert dx.dtype == dtype and dx.shape == logits.shape
     assert torch.isfinite(loss).all() and torch.isfinite(dx).all()
@@ -77,7 +57,7 @@ def test_every_config_matches_float64(v):
     for config in configs:
         with force_launch_config(config.to_triton().all_kwargs()):
             if v <= MAX_PERSISTENT_BLOCK:  # (the interpreter is slow on long rows)
-                _check_against_float64((4, v), torch.float32, three_pass)
+                _check_against_float64((4, v), torch.float32)
             _check_against_float64(
                 (3, v), torch.float32, reduction="none", label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0
             )
@@ -140,15 +120,12 @@ def test_minus_inf_logits_like_pytorch(v):
     logits, labels = _logits_labels((4, v), torch.float32, ignore_every=0)
     logits[:, 7::5] = float("-inf")
     labels[labels % 5 == 2] = 0  # targets are never masked
-    expected, expected_dx = _loss_and_grad(F.cross_entropy, logits, labels, None)
     for config in (search_space(v)[0], search_space(v)[-1]):
         with force_launch_config(config.to_triton().all_kwargs()):
-            loss, dx = _loss_and_grad(three_pass, logits, labels, None)
+            loss, dx = _loss_and_grad(cross_entropy, logits, labels, None)
+        expected, expected_dx = _loss_and_grad(F.cross_entropy, logits, labels, None)
         torch.testing.assert_close(loss, expected)
         torch.testing.assert_close(dx, expected_dx)
-    loss, dx = _loss_and_grad(cross_entropy, logits, labels, None)  # the gradient written by the forward
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(dx, expected_dx)
 
 
 def test_int32_labels():
@@ -212,8 +189,7 @@ def test_inplace_backward(reduction, grad_scale):
     def run(inplace):
         leaf = logits.clone().requires_grad_()
         produced = leaf * 1  # a non-leaf, like the lm_head's output
-        # against the same kernels writing a fresh gradient
-        loss = cross_entropy(produced, labels, inplace_backward=True, **kw) if inplace else three_pass(produced, labels, **kw)
+        loss = cross_entropy(produced, labels, inplace_backward=inplace, **kw)
         (loss * row_weight * grad_scale).sum().backward(retain_graph=True)
         return loss, produced, leaf.grad
 
@@ -224,62 +200,6 @@ def test_inplace_backward(reduction, grad_scale):
     assert torch.equal(produced_ref, logits) and not torch.equal(produced, logits)  # overwritten
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.sum().backward()
-
-
-def _single_chunk_configs(v):
-    """The interpreter runs programs one after another: only configs holding a whole row in one program."""
-    return [c for c in grad_in_forward_search_space(v) if c.kwargs["BLOCK_V"] >= v]
-
-
-@pytest.mark.parametrize("v", [123, 5000])
-def test_grad_in_forward_every_single_chunk_config_matches_float64(v):
-    """The eager training path (gradient written by the forward, scaled by grad_output in the
-    backward) with each one-program-per-row config; rows split over several programs run on the
-    GPU only (tests/gpu)."""
-    configs = _single_chunk_configs(v)
-    assert configs and configs[0] == grad_in_forward_search_space(v)[0]  # the interpreter's pick
-    for config in configs:
-        with force_launch_config(config.all_kwargs()):
-            for kw in ({}, {"reduction": "sum", "label_smoothing": 0.1, "lse_square_scale": 1e-3, "softcap": 5.0}):
-                _check_against_float64((4, v), torch.bfloat16, **kw)
-
-
-@pytest.mark.parametrize("kw", OPTIONS[:-2] + OPTIONS[-1:], ids=str)
-def test_grad_in_forward_is_taken_and_matches_three_pass(kw):
-    logits, labels = _logits_labels((6, 2000), torch.bfloat16)
-    grad_out = torch.tensor(0.625, device=DEVICE)
-    x = logits.clone().requires_grad_()
-    loss = cross_entropy(x, labels, **kw)
-    assert type(loss.grad_fn).__name__ == "_CrossEntropyGradInForwardBackward"
-    (dx,) = torch.autograd.grad(loss, x, grad_out)
-    loss_ref, dx_ref = _loss_and_grad(three_pass, logits, labels, grad_out, **kw)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=1e-2, atol=1e-5)  # one bf16 rounding apart at most
-
-
-def test_grad_in_forward_applies_only_where_it_can():
-    logits, labels = _logits_labels((4, 300), torch.float32)
-    x = logits.clone().requires_grad_()
-    assert grad_in_forward_applies(x, labels, "mean", False)
-    assert grad_in_forward_applies(x, labels, "sum", False)
-    assert not grad_in_forward_applies(x, labels, "none", False)  # grad_output per row: unknown in the forward
-    assert not grad_in_forward_applies(x, labels, "mean", True)  # inplace_backward keeps its semantics
-    assert not grad_in_forward_applies(logits, labels, "mean", False)  # no gradient wanted
-    with torch.no_grad():
-        assert not grad_in_forward_applies(x, labels, "mean", False)
-    wide = torch.zeros(2, MAX_PERSISTENT_BLOCK + 1, requires_grad=True)
-    assert not grad_in_forward_applies(wide, labels[:2], "mean", False)  # several programs per row: GPU only
-
-
-def test_grad_in_forward_refuses_a_second_backward():
-    logits, labels = _logits_labels((4, 300), torch.float32)
-    x = logits.clone().requires_grad_()
-    loss = cross_entropy(x, labels)
-    loss.backward(retain_graph=True)
-    first = x.grad.clone()
-    with pytest.raises(RuntimeError, match="backpropagating twice"):
-        loss.backward()
-    assert torch.equal(x.grad, first)
 
 
 def test_inplace_backward_without_grad_does_not_mutate():
