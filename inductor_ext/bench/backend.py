@@ -11,7 +11,9 @@ replay (host cost excluded; every provider's graph replayed in turn over 40 roun
 ratio to ``torch.compile`` taken per round, so drift cancels), the stream median (host
 included), the profiler's GPU time per step in GEMMs, attention and all other kernels (the
 others are where our ops act: GEMM time alone varies by about 1% between compiled graphs), and,
-for the backend, the route each fastops op took. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
+for the backend, the route each fastops op took. Beside them, to explain a graph-replay time that
+differs from the stream one: each provider's GPU time per kernel class inside its graph's replay,
+and its peak memory over one step. A step is ``torch.autograd.grad(model(x), (x, *params), dy)``.
 """
 
 import argparse
@@ -27,9 +29,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext.bench.harness import (
+    capture_graphs,
     do_bench_median,
     fresh_cache_env,
-    interleaved_graph_ms,
+    graph_kernel_us,
+    interleaved_replay_ms,
     kernel_us,
     kernel_us_by_class,
     model_bench_parser,
@@ -120,14 +124,23 @@ def main(argv: list[str] | None = None) -> int:
         counters["inductor_ext"].clear()
         steps[name] = step = _step(fn, x, params, dy)
         step()  # compiles (the compile times above come from fresh processes)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
         stream_ms, _, _ = do_bench_median(step)
         routes = {k: v for k, v in counters["inductor_ext"].items() if "->" in k}
         kernels = kernel_us(step)
-        report["providers"][name] = {"ms_stream": stream_ms, "routes": routes,
+        report["providers"][name] = {"ms_stream": stream_ms, "routes": routes, "peak_gib": peak_gib,
                                      "kernel_us_by_class": kernel_us_by_class(kernels), "kernel_us": kernels}  # fmt: skip
         print(f"{name}: {stream_ms:.3f} ms (stream)", flush=True)
     # GPU time: every provider's CUDA graph replayed in turn, 40 rounds; ratios to torch.compile per round
-    times = interleaved_graph_ms(steps)
+    graphs = capture_graphs(steps)
+    times = interleaved_replay_ms(graphs)
+    for name, graph in graphs.items():
+        in_graph = graph_kernel_us(graph)
+        report["providers"][name].update(kernel_us_by_class_graph=kernel_us_by_class(in_graph), kernel_us_graph=in_graph)
     for name, ms in times.items():
         ratios = [base / own for base, own in zip(times["torch_compile"], ms)]
         deciles, ratio_deciles = statistics.quantiles(ms, n=10), statistics.quantiles(ratios, n=10)
@@ -136,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                                          vs_compile_p20=ratio_deciles[1], vs_compile_p80=ratio_deciles[7])  # fmt: skip
     rows = [
         (name, f"{r['ms']:.3f}", f"{r['vs_compile']:.4f} ({r['vs_compile_p20']:.4f}-{r['vs_compile_p80']:.4f})",
-         f"{r['ms_stream']:.3f}", *(f"{r['kernel_us_by_class'][c]:.0f}" for c in ("gemm", "attention", "other")))
+         f"{r['ms_stream']:.3f}", *(f"{r['kernel_us_by_class'][c]:.0f}" for c in ("gemm", "attention", "other")),
+         *(f"{r['kernel_us_by_class_graph'][c]:.0f}" for c in ("gemm", "attention", "other")), f"{r['peak_gib']:.2f}")
         for name, r in report["providers"].items()
     ]  # fmt: skip
     headers = ["provider", "ms (graph)", "vs compile (p20-p80 of rounds)", "ms (stream)", "GEMM us", "attention us",
-               "other kernels us"]  # fmt: skip
+               "other kernels us", "in graph: GEMM", "attention", "other", "peak GiB"]  # fmt: skip
     print(tabulate(rows, headers=headers))
     if compile_s:
         base_s = compile_s["torch_compile"]

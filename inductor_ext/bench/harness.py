@@ -172,18 +172,35 @@ def bench_graph_median(
     return statistics.median(times), deciles[1], deciles[7]
 
 
-def interleaved_graph_ms(
-    fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5, rounds: int = 40
+def capture_graphs(fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5) -> dict[str, torch.cuda.CUDAGraph]:
+    """One CUDA graph of ``calls_per_graph`` calls per function (warmed up first)."""
+    return {name: capture_graph([fn] * calls_per_graph) for name, fn in fns.items()}
+
+
+def interleaved_replay_ms(
+    graphs: Mapping[str, torch.cuda.CUDAGraph], calls_per_graph: int = 5, rounds: int = 40
 ) -> dict[str, list[float]]:
-    """GPU ms per call of each of ``fns`` in each of ``rounds`` rounds, one CUDA graph of
-    ``calls_per_graph`` calls per function, replayed in turn within each round: clock and
-    thermal drift then hits every function alike, and per-round ratios cancel it."""
-    graphs = {name: capture_graph([fn] * calls_per_graph) for name, fn in fns.items()}
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    """GPU ms per call of each graph's function in each of ``rounds`` rounds, the graphs replayed in
+    turn within each round: clock and thermal drift then hits every function alike, and per-round
+    ratios cancel it."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
             times[name].append(replay_ms(graph) / calls_per_graph)
     return times
+
+
+def interleaved_graph_ms(
+    fns: Mapping[str, Callable[[], Any]], calls_per_graph: int = 5, rounds: int = 40
+) -> dict[str, list[float]]:
+    """:func:`interleaved_replay_ms` of :func:`capture_graphs`."""
+    return interleaved_replay_ms(capture_graphs(fns, calls_per_graph), calls_per_graph, rounds)
+
+
+def graph_kernel_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int = 5) -> dict[str, float]:
+    """:func:`kernel_us` per call inside a CUDA graph's replay (the profiler sees graph kernels), to
+    set beside the same function's stream-order profile."""
+    return {name: us / calls_per_graph for name, us in kernel_us(graph.replay, steps=2).items()}
 
 
 def copy_bandwidth_gbps(gib: float = 2.0) -> float:
