@@ -44,3 +44,13 @@ def test_run_child_returns_the_last_result_line_and_reports_failures():
     assert harness.run_child([sys.executable, "-c", emit], {}) == {"a": 2}
     with pytest.raises(RuntimeError, match="exit 3"):
         harness.run_child([sys.executable, "-c", "print('partial'); raise SystemExit(3)"], {})
+
+
+def test_rotated_order_puts_every_name_in_every_place():
+    names = ["eager", "torch_compile", "fastops_auto", "fastops_kernel"]
+    orders = [harness.rotated_order(names, r) for r in range(len(names))]
+    assert orders[0] == names and all(sorted(order) == sorted(names) for order in orders)
+    for place in range(len(names)):
+        assert sorted(order[place] for order in orders) == sorted(names)
+    assert harness.rotated_order(names, len(names) + 1) == orders[1]
+    assert harness.rotated_order([], 3) == []

@@ -182,12 +182,21 @@ def interleaved_replay_ms(
 ) -> dict[str, list[float]]:
     """GPU ms per call of each graph's function in each of ``rounds`` rounds, the graphs replayed in
     turn within each round: clock and thermal drift then hits every function alike, and per-round
-    ratios cancel it."""
+    ratios cancel it. The order rotates from round to round (:func:`rotated_order`), so no graph
+    always follows the same one or holds the same place in a round (session 7's decoder bench
+    replayed eager, torch.compile, then the backend's three routes in a fixed order, and the
+    graph-minus-stream time grew with the place: +0.81, +1.37, +1.38, +1.99 ms)."""
     times: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            times[name].append(replay_ms(graph) / calls_per_graph)
+    for round_index in range(rounds):
+        for name in rotated_order(list(graphs), round_index):
+            times[name].append(replay_ms(graphs[name]) / calls_per_graph)
     return times
+
+
+def rotated_order(names: Sequence[str], round_index: int) -> list[str]:
+    """``names`` rotated left by ``round_index``: over ``len(names)`` rounds each takes every place once."""
+    shift = round_index % len(names) if names else 0
+    return [*names[shift:], *names[:shift]]
 
 
 def interleaved_graph_ms(
