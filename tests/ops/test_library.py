@@ -89,8 +89,7 @@ def test_thorough_benchmarks_turn_the_quick_first_launch_off_only_within():
     from inductor_ext.ops._library import DirectLaunch, thorough_benchmarks
 
     assert DirectLaunch.quick_first_launch
-    with pytest.raises(RuntimeError, match="inside"):
-        with thorough_benchmarks():
-            assert not DirectLaunch.quick_first_launch
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), thorough_benchmarks():
+        assert not DirectLaunch.quick_first_launch
+        raise RuntimeError("inside")
     assert DirectLaunch.quick_first_launch
