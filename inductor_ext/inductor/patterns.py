@@ -143,6 +143,17 @@ def _rows_2d(t: Node) -> Node:
     return row2d
 
 
+def _any_between(first: Node, last: Node, nodes: set[Node]) -> bool:
+    """Whether one of ``nodes`` stands strictly between ``first`` and ``last`` (``first`` before ``last``)
+    in the graph: a walk back from ``last``, not an index of the whole graph."""
+    current = last.prev
+    while current is not first:
+        if current in nodes:
+            return True
+        current = current.prev
+    return False
+
+
 def _with_value(node: Node) -> Node:
     """Record the node's example value, as Dynamo does, by running it on the inputs' fake tensors."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
@@ -317,9 +328,8 @@ def _add_rms_norm(node: Node) -> Node | None:
         tv = _value(t)
         if not isinstance(t, Node) or not isinstance(tv, torch.Tensor) or tv.shape != hv.shape or tv.dtype != hv.dtype:
             return None
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     others = [user for user in h.users if user is not rows]
-    if any(order[user] < order[node] for user in others):
+    if _any_between(h, node, set(others)):
         return None
     x, r = operands
     graph: Graph = node.graph
