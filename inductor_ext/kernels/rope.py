@@ -127,7 +127,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 _AUTOTUNE: dict[str, Any] = {
     "configs": _all_configs(),
-    "key": ["n_q_heads", "n_k_heads", "HALF_PAD", "PASS", "BACKWARD"],
+    "key": ["n_q_heads", "n_k_heads", "HALF_PAD", "PASS", "BACKWARD", "HEADS_FASTEST"],
     "prune_configs_by": {"early_config_prune": _prune},
 }
 
@@ -204,19 +204,31 @@ def _rope_kernel(
     stride_qob, stride_qos, stride_qoh, stride_kob, stride_kos, stride_koh,
     stride_cb, stride_cs, stride_pb, stride_ps,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
-    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, IN_PLACE: tl.constexpr,
+    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, IN_PLACE: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """QO = rope(Q), KO = rope(K) (or their transposes, BACKWARD) in one launch.
 
     Program (i, j) takes tokens [i * BLOCK_T, (i + 1) * BLOCK_T) and head block j of q
     when j < cdiv(n_q_heads, BLOCK_H), else head block j - cdiv(n_q_heads, BLOCK_H) of k.
+    The grid is 1-D and follows the memory order: with HEADS_FASTEST (a token's heads lie
+    next to each other, as in HF's ``(B, S, H, D)`` projections seen through a transpose)
+    consecutive programs take the head blocks of one token block, else the token blocks of
+    one head block, so the programs in flight sweep memory in order.
     IN_PLACE: QO and KO are unused; Q and K are overwritten (rotated channels only).
     COS and SIN share the strides (stride_cb, stride_cs) and have a unit channel stride.
     """
-    t0 = tl.program_id(0) * BLOCK_T
-    head_block = tl.program_id(1)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    head_blocks = q_blocks + tl.cdiv(n_k_heads, BLOCK_H)
+    pid = tl.program_id(0)
+    if HEADS_FASTEST:
+        token_block = pid // head_blocks
+        head_block = pid % head_blocks
+    else:
+        token_blocks = tl.cdiv(n_tokens, BLOCK_T)
+        token_block = pid % token_blocks
+        head_block = pid // token_blocks
+    t0 = token_block * BLOCK_T
     if head_block < q_blocks:
         h0 = head_block * BLOCK_H
         if IN_PLACE:

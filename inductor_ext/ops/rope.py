@@ -136,8 +136,8 @@ def _launch(
     launch(
         kernel,
         lambda meta: (
-            triton.cdiv(batch * seq_len, meta["BLOCK_T"]),
-            triton.cdiv(n_q_heads, meta["BLOCK_H"]) + triton.cdiv(n_k_heads, meta["BLOCK_H"]),
+            triton.cdiv(batch * seq_len, meta["BLOCK_T"])
+            * (triton.cdiv(n_q_heads, meta["BLOCK_H"]) + triton.cdiv(n_k_heads, meta["BLOCK_H"])),
         ),
         q, k, q_out, k_out, cos, sin, positions,
         batch * seq_len, seq_len, n_q_heads, n_k_heads, n_positions,
@@ -146,6 +146,7 @@ def _launch(
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2),
         PASS=width - rot, PASS_PAD=triton.next_power_of_2(max(1, width - rot)),
         HAS_POS=positions is not None, BACKWARD=backward, IN_PLACE=in_place,
+        HEADS_FASTEST=q.stride(head_dim) < q.stride(seq_dim),
     )  # fmt: skip
 
 
