@@ -11,6 +11,7 @@ Schemas::
         Tensor? bias, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, float label_smoothing,
         float lse_square_scale, float softcap, str reduction, int chunk_size, bool grad_hidden,
         bool grad_weight, bool grad_bias) -> (Tensor dhidden, Tensor dweight, Tensor dbias)
+    fastops::accumulate_matmul_(Tensor(a!) acc, Tensor a, Tensor b) -> ()
 
 ``loss = cross_entropy(hidden @ weight.T + bias, labels)`` without ever holding the
 ``(N, V)`` logits: the rows are taken ``chunk_size`` at a time. For each chunk::
@@ -18,12 +19,18 @@ Schemas::
     logits = hidden_c @ weight.T (+ bias)        cuBLAS, in the inputs' dtype  (C, V)
     loss_c, logits <- dlogits                   the cross-entropy kernel, gradient written in place
     dhidden_c = dlogits @ weight                 one reduction over V in fp32, rounded once
-    dweight  += dlogits.T @ hidden_c             accumulated in an fp32 (V, H) buffer
+    dweight  += dlogits.T @ hidden_c             into an fp32 (V, H) buffer, in place (accumulate_matmul_)
     dbias    += dlogits.sum(0)                   fp32
 
 and ``dweight``/``dbias`` are rounded to the weight's dtype once, after the last
 chunk: no chunk's contribution is rounded to 16 bits on its own (with a single
 chunk, the one matmul is rounded once). The mean's token count stays on the device.
+
+Memory beside the inputs, eager and compiled: the fp32 accumulator (``4 V H`` bytes)
+plus the larger of one chunk of logits (``C V`` elements, during the loop) and the
+rounded ``dweight`` (``V H``, after it: the last chunk's logits are freed first), plus
+``dhidden``. The default chunk (``C = H``) makes the two equal: ``6 V H`` bytes in
+16 bits, 2.9 GiB at ``V = 128256, H = 4096``.
 
 For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
 for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
@@ -35,7 +42,9 @@ matmul) with each row's gradient scaled by its ``grad_output``. Unused gradients
 
 Under ``torch.compile`` the chunk loop is traced (unrolled); with a dynamic token
 count the graph is specialised on the number of chunks only (one graph serves every
-count from ``(k - 1) * chunk_size + 1`` to ``k * chunk_size``).
+count from ``(k - 1) * chunk_size + 1`` to ``k * chunk_size``). The accumulation stays a
+call of ``accumulate_matmul_``, which Inductor reinplaces: a traced ``acc + dlogits.T @
+hidden_c`` would write each chunk's sum into a second fp32 ``(V, H)`` buffer.
 """
 
 from collections.abc import Callable, Sequence
@@ -44,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._library import DirectLaunch, Launch, define_op_family
+from inductor_ext.ops._library import NAMESPACE, Launch, MutatingOp, define_op_family
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,
@@ -96,44 +105,103 @@ def _input_grad(dlogits: Tensor, weight: Tensor) -> Tensor:
     return dlogits @ weight
 
 
+def _gemm_with_fp32_output(a: Tensor) -> bool:
+    """Whether ``a @ b`` runs on cuBLAS in 16 bits with an fp32 output; else the GEMM takes fp32 operands
+    (CPU has no 16-bit GEMM with an fp32 output; fp32 inputs need none)."""
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
 _addmm_fp32_out_works: bool | None = None
 """Whether ``addmm(fp32 acc, bf16, bf16, out_dtype=fp32, out=acc)`` is accepted: torch 2.8-2.9 required
-``acc`` in the inputs' dtype (relaxed by pytorch/pytorch#167931); known after the first eager call."""
+``acc`` in the inputs' dtype (relaxed by pytorch/pytorch#167931); known after the first call."""
 
 
-def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor, in_place: bool) -> Tensor:
-    """``acc + dlogits.T @ hidden`` in fp32, the chunk's product never rounded to 16 bits.
+def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` into the fp32 ``acc``, the product never rounded to 16 bits.
 
-    16-bit CUDA inputs: cuBLAS with an fp32 output (the first chunk writes ``acc``). In
-    eager the later chunks accumulate into ``acc`` in the GEMM epilogue (``beta=1``); when
-    traced, ``acc + mm(..., out_dtype=fp32)`` (Inductor plans the buffers; addmm's
-    ``out_dtype`` does not trace on every torch version). CPU or fp32: fp32 products.
+    16-bit CUDA inputs: cuBLAS adds into ``acc`` in the GEMM epilogue (``beta=1``); where torch
+    refuses an fp32 ``out`` for 16-bit inputs (see :data:`_addmm_fp32_out_works`), a separate fp32
+    product is added (one more ``acc``-sized buffer). Otherwise fp32 products.
     """
     global _addmm_fp32_out_works
-    a, b = dlogits.t(), hidden
-    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
-        a, b = a.float(), b.float()
-        if acc is None:
-            return a @ b
-        return acc.addmm_(a, b) if in_place else torch.addmm(acc, a, b)
-    if acc is None:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    if in_place and _addmm_fp32_out_works is not False:
+    if acc.dtype != torch.float32:
+        raise TypeError(f"fastops::accumulate_matmul_: acc must be float32, got {acc.dtype}")
+    if not _gemm_with_fp32_output(a):
+        acc.addmm_(a.float(), b.float())
+        return
+    if _addmm_fp32_out_works is not False:
         try:
-            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             _addmm_fp32_out_works = True
-            return out
+            return
         except RuntimeError as error:  # older torch: "self and mat2 must have the same dtype"
             if "dtype" not in str(error):
                 raise
             _addmm_fp32_out_works = False
-    product = torch.mm(a, b, out_dtype=torch.float32)
-    return acc.add_(product) if in_place else acc + product
+    acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def _accumulate_matmul_direct(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    _accumulate_matmul(acc, a, b)
+    torch.autograd.graph.increment_version(acc)
+
+
+accumulate_matmul_ = MutatingOp(
+    torch.library.custom_op(f"{NAMESPACE}::accumulate_matmul_", _accumulate_matmul, mutates_args=("acc",))._opoverload,
+    run_direct=_accumulate_matmul_direct,
+    tensor_args=(0, 1, 2),
+)
+"""``fastops::accumulate_matmul_(Tensor(a!) acc, Tensor a, Tensor b) -> ()``: :func:`_accumulate_matmul`.
+
+A plain ``custom_op``, opaque to the compiler, not a ``triton_op`` (whose body would be traced into
+aten ops, and a traced ``acc + a @ b`` writes a new fp32 buffer beside ``acc``). AOTAutograd
+functionalizes it (``auto_functionalized``) and Inductor's reinplacing makes the call in place again
+when nothing else reads the old ``acc``, as in the chunk loop: one ``(V, H)`` fp32 buffer for all
+chunks. Plain eager calls the function directly (no dispatcher)."""
+
+
+def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor) -> Tensor:
+    """``acc + dlogits.T @ hidden`` in fp32: the first chunk's product (``acc`` None) is the
+    accumulator, later chunks add into it in place."""
+    a, b = dlogits.t(), hidden
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32) if _gemm_with_fp32_output(a) else a.float() @ b.float()
+    accumulate_matmul_(acc, a, b)
+    return acc
+
+
+def _chunk_loss_and_grads(
+    chunk_loss: ChunkLoss,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    options: CeOptions,
+    grad_scale: Tensor | None,
+    grads: tuple[bool, bool, bool],
+    dw_acc: Tensor | None,
+    db_acc: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """One chunk's row losses, its ``dhidden`` rows (None unless requested) and the fp32 ``dweight`` and
+    ``dbias`` accumulators with its contribution added (the arguments when not requested or without a
+    gradient). A function of its own so that the chunk's ``(C, V)`` logits are freed on return: the
+    last chunk's are never alive beside the accumulator and the rounded ``dweight``."""
+    need_dx, need_dw, need_db = grads
+    logits = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+    loss, dlogits = chunk_loss(logits, labels, options, grad_scale, any(grads))
+    if dlogits is None:
+        return loss, None, dw_acc, db_acc
+    dx = _input_grad(dlogits, weight) if need_dx else None
+    if need_dw:
+        dw_acc = _accumulate_weight_grad(dw_acc, dlogits, hidden)
+    if need_db:
+        db = dlogits.sum(0, dtype=torch.float32)
+        db_acc = db if db_acc is None else db_acc + db
+    return loss, dx, dw_acc, db_acc
 
 
 def _chunked_loss_and_grads(
     chunk_loss: ChunkLoss,
-    in_place: bool,
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
@@ -149,7 +217,6 @@ def _chunked_loss_and_grads(
     """
     n = hidden.shape[0]
     need_dx, need_dw, need_db = grads
-    need_dlogits = any(grads)
     labels = labels.contiguous()
     row_losses: list[Tensor] = []
     dx_chunks: list[Tensor] = []
@@ -161,31 +228,25 @@ def _chunked_loss_and_grads(
     for k in range(num_chunks):
         start = k * chunk_size
         end = n if k == num_chunks - 1 else start + chunk_size
-        h_c = hidden[start:end]
-        logits = h_c @ weight.t() if bias is None else torch.addmm(bias, h_c, weight.t())
         scale_c = grad_scale if grad_scale is None or grad_scale.dim() == 0 else grad_scale[start:end]
-        loss_c, dlogits = chunk_loss(logits, labels[start:end], options, scale_c, need_dlogits)
+        loss_c, dx_c, dw_acc, db_acc = _chunk_loss_and_grads(
+            chunk_loss, hidden[start:end], weight, labels[start:end], bias, options, scale_c, grads, dw_acc, db_acc
+        )
         row_losses.append(loss_c)
-        if dlogits is None:
-            continue
-        if need_dx:
-            dx_chunks.append(_input_grad(dlogits, weight))
-        if need_dw:
-            dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c, in_place)
-        if need_db:
-            db_c = dlogits.sum(0, dtype=torch.float32)
-            db_acc = db_c if db_acc is None else db_acc + db_c
+        if dx_c is not None:
+            dx_chunks.append(dx_c)
     if not row_losses:  # no rows
         row_losses.append(hidden.new_empty((0,), dtype=torch.float32))
         dx_chunks.append(hidden.new_empty(hidden.shape))
     row_loss = row_losses[0] if len(row_losses) == 1 else torch.cat(row_losses)
     # distinct tensors for the gradients not computed: op outputs must not alias each other
-    dx = hidden.new_empty((0,))
-    if need_dx:
-        dx = dx_chunks[0] if len(dx_chunks) == 1 else torch.cat(dx_chunks)
     dw = weight.new_empty((0,))
     if need_dw:
         dw = weight.new_zeros(weight.shape) if dw_acc is None else dw_acc.to(weight.dtype)
+    del dw_acc  # eager: frees the fp32 accumulator before dhidden's concatenation allocates
+    dx = hidden.new_empty((0,))
+    if need_dx:
+        dx = dx_chunks[0] if len(dx_chunks) == 1 else torch.cat(dx_chunks)
     db = hidden.new_empty((0,))
     if need_db and bias is not None:
         db = bias.new_zeros(bias.shape) if db_acc is None else db_acc.to(bias.dtype)
@@ -200,7 +261,7 @@ def _split_options(rest: Sequence[Any]) -> tuple[CeOptions, str, int, tuple[bool
     return options, reduction, chunk_size, (grad_h, grad_w, grad_b)
 
 
-def _forward(chunk_loss: ChunkLoss, in_place: bool, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(chunk_loss: ChunkLoss, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward on ``fused_linear_cross_entropy_fwd``'s arguments, each chunk's cross-entropy by ``chunk_loss``."""
     hidden, weight, labels, bias, *rest = args
     options, reduction, chunk_size, grads = _split_options(rest)
@@ -208,7 +269,7 @@ def _forward(chunk_loss: ChunkLoss, in_place: bool, args: tuple[Any, ...]) -> tu
     if reduction == "none":  # gradients come from the backward, which knows each row's grad_output
         grads = (False, False, False)
     row_loss, dx, dw, db = _chunked_loss_and_grads(
-        chunk_loss, in_place, hidden, weight, labels, bias, options, chunk_size, grad_scale, grads
+        chunk_loss, hidden, weight, labels, bias, options, chunk_size, grad_scale, grads
     )
     return reduce_loss(row_loss, count, reduction), dx, dw, db
 
@@ -231,17 +292,16 @@ def fused_linear_cross_entropy_fwd_math(
     """Aten-only forward (CPU branch and decomposition): the same chunk loop, cross-entropy in aten ops."""
     args = (hidden, weight, labels, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
             chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-    return _forward(_math_chunk_loss, False, args)
+    return _forward(_math_chunk_loss, args)
 
 
 def fused_linear_cross_entropy_fwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`fused_linear_cross_entropy_fwd_math`'s arguments after ``launch``; cross-entropy in the kernels."""
-    in_place = isinstance(launch, DirectLaunch)  # real tensors: accumulate dW in place
-    return _forward(_kernel_chunk_loss(launch), in_place, args)
+    return _forward(_kernel_chunk_loss(launch), args)
 
 
 def _backward_impl(
-    scale: Callable[[Tensor, Tensor], Tensor], chunk_loss: ChunkLoss, in_place: bool, args: tuple[Any, ...]
+    scale: Callable[[Tensor, Tensor], Tensor], chunk_loss: ChunkLoss, args: tuple[Any, ...]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward on ``fused_linear_cross_entropy_bwd``'s arguments: the forward's gradients times
     ``grad_output`` by ``scale``, or (``"none"``) recomputed with each chunk's cross-entropy by ``chunk_loss``."""
@@ -249,7 +309,7 @@ def _backward_impl(
     options, reduction, chunk_size, grads = _split_options(rest)
     if reduction == "none":
         _loss, dx, dw, db = _chunked_loss_and_grads(
-            chunk_loss, in_place, hidden, weight, labels, bias, options, chunk_size, grad_output, grads
+            chunk_loss, hidden, weight, labels, bias, options, chunk_size, grad_output, grads
         )
         return dx, dw, db
     return scale(dhidden, grad_output), scale(dweight, grad_output), scale(dbias, grad_output)
@@ -281,7 +341,7 @@ def fused_linear_cross_entropy_bwd_math(
     """Aten-only backward: scale the forward's gradients by ``grad_output``, or recompute them (``"none"``)."""
     args = (grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, ignore_index, label_smoothing,
             lse_square_scale, softcap, reduction, chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-    return _backward_impl(_scale_math, _math_chunk_loss, False, args)
+    return _backward_impl(_scale_math, _math_chunk_loss, args)
 
 
 def fused_linear_cross_entropy_bwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -293,7 +353,7 @@ def fused_linear_cross_entropy_bwd_kernels(launch: Launch, *args: Any) -> tuple[
         launch_scale_rows(launch, t.reshape(1, -1), out.view(1, -1), g)
         return out
 
-    return _backward_impl(scale, _kernel_chunk_loss(launch), isinstance(launch, DirectLaunch), args)
+    return _backward_impl(scale, _kernel_chunk_loss(launch), args)
 
 
 def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:

@@ -123,6 +123,41 @@ def test_peak_memory_follows_the_chunked_model_and_is_below_compiled_linear_cros
     assert ours < 0.6 * theirs, (ours, theirs)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_peak_memory_is_one_fp32_accumulator_plus_a_chunk_or_dweight(compiled):
+    """One fwd+bwd at the default chunk adds the fp32 dW accumulator, one chunk of logits or the bf16 dW
+    (never both: the last chunk's logits are freed before dW is rounded) and dX, eager and compiled
+    (where ``fastops::accumulate_matmul_`` keeps a single fp32 (V, H) buffer)."""
+    torch._dynamo.reset()
+    n, h, v = 2048, 1024, 32768
+    hidden, weight, labels, _ = _inputs(n, h, v, torch.bfloat16)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    fn = torch.compile(flce, fullgraph=True) if compiled else flce
+
+    def step():
+        return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+
+    step()  # compile, autotune, cuBLAS workspaces
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    chunk = resolve_chunk_size(v, h, 2, None, None)  # H rows: a chunk of logits is the size of dW
+    # the forward holds the fp32 accumulator (4 V H bytes) with either one chunk of bf16 logits
+    # (2 C V, during the loop) or the rounded bf16 dW (2 V H, after it), and dX (2 N H) twice at
+    # most (the per-chunk rows and their concatenation); the backward holds less (two bf16 dW, two
+    # dX). 10% for the small rest (per-chunk fp32 dX products, row losses). Session 8's code was
+    # above it: eager kept the last chunk's logits beside dW (+2 C V), compiled code wrote each
+    # chunk's sum into a second fp32 (V, H) buffer (+4 V H).
+    model = 4 * v * h + max(2 * chunk * v, 2 * v * h) + 2 * (2 * n * h)
+    print(f"peak extra memory ({'compiled' if compiled else 'eager'}): {peak / 2**20:.1f} MiB, "
+          f"model {model / 2**20:.1f} MiB")  # fmt: skip
+    assert peak <= 1.1 * model, (peak, model)
+
+
 def test_no_host_sync():
     hidden, weight, labels, _ = _inputs(4096, 1024, 32000, torch.bfloat16)
     _grads(flce, hidden, weight, labels, None, None, chunk_size=1024)  # autotunes (syncs) once

@@ -2,6 +2,8 @@
 fp32 dW accumulation, reductions, label handling, op registration, compile (incl. the ignore_index
 regression), cpp_wrapper and AOTInductor on CPU."""
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -302,6 +304,39 @@ def test_cpp_wrapper(fresh_dynamo):
     assert len(codes) == 2 and all("inductor_entry_impl" in c and "def call(" not in c for c in codes)
     expected = _loss_and_grads(f, hidden, weight, labels, None, None)
     assert all(rel_err(g, e) < 1e-5 for g, e in zip(got, expected))
+
+
+def test_compiled_weight_grad_accumulates_in_place(fresh_dynamo):
+    """Compiled, the chunks add into one fp32 (V, H) accumulator: the first chunk's matmul allocates it and
+    each later chunk adds into it through ``fastops::accumulate_matmul_``, which Inductor reinplaces (no
+    clone of the accumulator, no out-of-place addmm writing a second (V, H) fp32 buffer). bf16, as in
+    training: the (V, H) buffers are the fp32 accumulator and the bf16 dW."""
+    n, h, v, chunk = 22, 8, 40, 6  # four chunks; N > H, so the partitioner keeps dW in the forward
+    hidden, weight, labels, _ = _inputs(n, h, v, torch.bfloat16)
+    compiled = torch.compile(lambda h_, w, y, b: flce(h_, w, y, b, chunk_size=chunk), fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):  # the op bodies are not in the cache keys
+        got, codes = run_and_get_code(_loss_and_grads, compiled, hidden, weight, labels, None, None)
+    code = "\n".join(codes)
+    accumulators = re.findall(rf"empty_strided_cpu\(\({v}, {h}\), \({h}, 1\), torch\.float32\)", code)
+    assert len(accumulators) == 1, accumulators
+    assert code.count("torch.ops.fastops.accumulate_matmul_.default(") == 3
+    assert "clone" not in code and "extern_kernels.addmm(" not in code
+    expected = _loss_and_grads(flce, hidden, weight, labels, None, None, chunk_size=chunk)
+    assert all(rel_err(g, e) < 1e-2 for g, e in zip(got, expected))
+
+
+def test_accumulate_matmul_op():
+    """``acc += a @ b`` in fp32 for fp32 and bf16 operands (a transposed, as the chunk loop passes it),
+    eager and through opcheck; a 16-bit accumulator is refused by name."""
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(7, 5, dtype=dtype).t(), torch.randn(7, 3, dtype=dtype)
+        acc = torch.randn(5, 3)
+        expected = acc.double() + a.double() @ b.double()
+        torch.ops.fastops.accumulate_matmul_(acc, a, b)
+        assert rel_err(acc, expected) < 1e-6
+        torch.library.opcheck(torch.ops.fastops.accumulate_matmul_.default, (torch.randn(5, 3), a, b))
+    with pytest.raises(TypeError, match="fastops::accumulate_matmul_: acc must be float32, got torch.bfloat16"):
+        torch.ops.fastops.accumulate_matmul_(torch.zeros(5, 3, dtype=torch.bfloat16), a, b)
 
 
 class _LMHeadLoss(torch.nn.Module):
