@@ -40,6 +40,8 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from inductor_ext.kernels.ranking import in_search_order
+
 MAX_PERSISTENT_BLOCK = 16384
 """Largest power-of-two row held in registers (fp32, 32 warps: 16 values per thread).
 
@@ -115,8 +117,7 @@ def _all_configs() -> list[triton.Config]:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    valid = set(search_space(named_args["V"]))
-    return [c for c in configs if CrossEntropyConfig.from_triton(c) in valid]
+    return in_search_order(configs, search_space(named_args["V"]), CrossEntropyConfig.from_triton)
 
 
 @triton.jit
@@ -273,8 +274,11 @@ def bwd_search_space(v: int) -> list[triton.Config]:
 
 
 def _bwd_prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    valid = {(c.kwargs["BLOCK_V"], c.num_warps) for c in bwd_search_space(named_args["V"])}
-    return [c for c in configs if (c.kwargs["BLOCK_V"], c.num_warps) in valid]
+    return in_search_order(configs, [_bwd_key(c) for c in bwd_search_space(named_args["V"])], _bwd_key)
+
+
+def _bwd_key(config: triton.Config) -> tuple[int, int]:
+    return config.kwargs["BLOCK_V"], config.num_warps
 
 
 @triton.jit

@@ -22,6 +22,8 @@ import dataclasses
 
 import triton
 
+from inductor_ext.kernels.ranking import in_search_order
+
 MAX_PERSISTENT_BLOCK = 32768
 """Largest power-of-two row held in registers (fp32, 32 warps: 32 values per thread and operand)."""
 
@@ -102,15 +104,13 @@ def _all_configs() -> list[triton.Config]:
 
 
 def prune_forward(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of a forward kernel: the configs in ``search_space(N, forward=True)``."""
-    valid = set(search_space(named_args["N"], forward=True))
-    return [c for c in configs if NormConfig.from_triton(c) in valid]
+    """``early_config_prune`` of a forward kernel: the configs in ``search_space(N, forward=True)``, in its order."""
+    return in_search_order(configs, search_space(named_args["N"], forward=True), NormConfig.from_triton)
 
 
 def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of a backward kernel: the configs in ``search_space(N, forward=False)``."""
-    valid = set(search_space(named_args["N"], forward=False))
-    return [c for c in configs if NormConfig.from_triton(c) in valid]
+    """``early_config_prune`` of a backward kernel: the configs in ``search_space(N, forward=False)``, in its order."""
+    return in_search_order(configs, search_space(named_args["N"], forward=False), NormConfig.from_triton)
 
 
 def autotune_kwargs(forward: bool, key: list[str]) -> dict[str, object]:

@@ -149,6 +149,8 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
     configs = candidate_configs(kernel, args, kwargs)
     if stored is not None and any(c.kwargs == stored.kwargs and c.num_warps == stored.num_warps for c in configs):
         configs = [stored]
+    elif DirectLaunch.quick_first_launch:  # Inductor tunes it at compile time: the quick first launch's configs
+        configs = configs[:QUICK_FIRST_LAUNCH_CONFIGS]
     return triton.autotune(
         configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
     )(kernel.fn)
@@ -157,7 +159,8 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
 class DirectLaunch:
     """Launches straight from Python, for the eager bypass.
 
-    On CUDA the first launch per autotune key runs Triton's autotuner; later ones
+    On CUDA the first launch per autotune key runs Triton's autotuner (:func:`quick_first_launch`
+    unless within :func:`thorough_benchmarks`); later ones
     launch the tuned config's JIT function directly, skipping the autotuner's
     per-call bookkeeping (the bypass exists to save host time). Under the
     interpreter, where the autotuner cannot benchmark, it launches
@@ -170,8 +173,10 @@ class DirectLaunch:
     _tuned: ClassVar[dict[tuple[Any, LaunchSignature], dict[str, Any]]] = {}
     """Each autotuned launch's pick: what the route timing records in the tuning database."""
     quick_first_launch: ClassVar[bool] = True
-    """First launches time each config for :data:`AUTOTUNE_BENCH_MS` (:func:`quick_benchmarks`);
-    False within :func:`thorough_benchmarks`."""
+    """First launches time the first :data:`QUICK_FIRST_LAUNCH_CONFIGS` configs for
+    :data:`AUTOTUNE_BENCH_MS` each (:func:`quick_first_launch`), and so does Inductor when it tunes a
+    traced launch (:func:`pruned_autotuner`); False within :func:`thorough_benchmarks`: every config,
+    Triton's full budget."""
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         if not isinstance(kernel, Autotuner):
@@ -188,8 +193,8 @@ class DirectLaunch:
         key = self._key(kernel, args, kwargs)
         tuned = self._tuned.get(key)
         if tuned is None:
-            precompile_configs(kernel, grid, args, kwargs)
-            with quick_benchmarks(kernel) if self.quick_first_launch else contextlib.nullcontext():
+            with quick_first_launch(kernel, args, kwargs) if self.quick_first_launch else contextlib.nullcontext():
+                precompile_configs(kernel, grid, args, kwargs)
                 kernel[grid](*args, **kwargs)
             self._tuned[key] = kernel.best_config.all_kwargs()
             return
@@ -249,6 +254,15 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
                 kernel.fn.warmup(*args, grid=grid(meta), **meta)
 
 
+QUICK_FIRST_LAUNCH_CONFIGS = 4
+"""Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
+space, heuristic's favourite first (:mod:`inductor_ext.kernels.ranking`). Compiling and timing
+every config was most of a cold ``fastops_inductor`` compile (H200, session 8, 4-layer decoder:
+96 configs, 13.9 s of first launches in a 31.5 s compile). In session 7's re-timing of every config
+at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
+(2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
+The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
+
 AUTOTUNE_BENCH_MS = (5, 25)
 """Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
 25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
@@ -275,9 +289,22 @@ def quick_benchmarks(kernel: Autotuner) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def quick_first_launch(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Within: ``kernel``'s autotuner offers this launch's first :data:`QUICK_FIRST_LAUNCH_CONFIGS`
+    configs only, and times each for :data:`AUTOTUNE_BENCH_MS` (:func:`quick_benchmarks`)."""
+    previous = kernel.configs
+    kernel.configs = candidate_configs(kernel, args, kwargs)[:QUICK_FIRST_LAUNCH_CONFIGS]
+    try:
+        with quick_benchmarks(kernel):
+            yield
+    finally:
+        kernel.configs = previous
+
+
+@contextlib.contextmanager
 def thorough_benchmarks() -> Iterator[None]:
-    """Within: first launches time each config for Triton's full 25 + 100 ms, not
-    :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's setting, where a pick matters more than the
+    """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
+    :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's setting, where a pick matters more than the
     seconds (H200, session 7, Llama-3-8B shapes: the worst pick was 4.2% off the best re-timed
     config with the short budget, 2.4% with the full one)."""
     previous = DirectLaunch.quick_first_launch
@@ -459,11 +486,28 @@ def define_mutating_op(
     """
     op = _define_op(name, math, kernels, mutates_args=tuple(mutates))
     FAMILY_OF[op._name] = family
+    return _mutating_op(op, functools.partial(_run_direct, math, kernels), mutates)
+
+
+def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Sequence[str]) -> MutatingOp:
+    """Register ``fastops::{name}`` as a plain ``custom_op`` running ``fn`` (its annotated signature is
+    the schema), writing into the arguments named in ``mutates``.
+
+    Opaque to the compiler: unlike a ``triton_op`` its body is never traced into aten ops, so an
+    in-place update stays one. AOTAutograd functionalizes each call (``auto_functionalized``) and
+    Inductor's reinplacing makes it in place again when nothing else reads the old values.
+    """
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates))._opoverload
+    return _mutating_op(op, lambda args: fn(*args), mutates)
+
+
+def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> MutatingOp:
+    """``op`` wrapped for eager calls: ``run(args)`` directly, bumping the mutated tensors' versions."""
     arguments = op._schema.arguments
     mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
 
     def run_direct(*args: Any) -> Any:
-        output = _run_direct(math, kernels, args)
+        output = run(args)
         for i in mutated:
             torch.autograd.graph.increment_version(args[i])
         return output

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._library import NAMESPACE, Launch, MutatingOp, define_op_family
+from inductor_ext.ops._library import Launch, define_op_family, define_opaque_mutating_op
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,
@@ -141,23 +141,12 @@ def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
-def _accumulate_matmul_direct(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    _accumulate_matmul(acc, a, b)
-    torch.autograd.graph.increment_version(acc)
-
-
-accumulate_matmul_ = MutatingOp(
-    torch.library.custom_op(f"{NAMESPACE}::accumulate_matmul_", _accumulate_matmul, mutates_args=("acc",))._opoverload,
-    run_direct=_accumulate_matmul_direct,
-    tensor_args=(0, 1, 2),
-)
+accumulate_matmul_ = define_opaque_mutating_op("accumulate_matmul_", _accumulate_matmul, mutates=("acc",))
 """``fastops::accumulate_matmul_(Tensor(a!) acc, Tensor a, Tensor b) -> ()``: :func:`_accumulate_matmul`.
 
-A plain ``custom_op``, opaque to the compiler, not a ``triton_op`` (whose body would be traced into
-aten ops, and a traced ``acc + a @ b`` writes a new fp32 buffer beside ``acc``). AOTAutograd
-functionalizes it (``auto_functionalized``) and Inductor's reinplacing makes the call in place again
-when nothing else reads the old ``acc``, as in the chunk loop: one ``(V, H)`` fp32 buffer for all
-chunks. Plain eager calls the function directly (no dispatcher)."""
+Opaque to the compiler (a traced ``acc + a @ b`` writes a new fp32 buffer beside ``acc``); Inductor
+reinplaces it in the chunk loop, where nothing else reads the old ``acc``: one ``(V, H)`` fp32 buffer
+for all chunks. Plain eager calls the function directly (no dispatcher)."""
 
 
 def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor) -> Tensor:

@@ -1,5 +1,7 @@
 """The op recipe's launch helpers (what every op's traced kernel launch goes through)."""
 
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -20,14 +22,72 @@ def _inplace_args(v: int) -> tuple:
 
 
 def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
-    """torch's kernel tracing re-wraps a pruning autotuner without ``restore_value``; ours must keep it."""
+    """torch's kernel tracing re-wraps a pruning autotuner without ``restore_value``; ours must keep it.
+    Inductor tunes the traced launch at compile time, so it gets a quick first launch's configs (the
+    search space's first QUICK_FIRST_LAUNCH_CONFIGS); within thorough_benchmarks, all of them."""
+    from inductor_ext.ops._library import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+
     for v in (100, 32000, 262144):
-        pruned = pruned_autotuner(cross_entropy_fwd_inplace_kernel, _inplace_args(v), {"HAS_GRAD_SCALE": False})
-        assert isinstance(pruned, Autotuner)
-        assert pruned.restore_value == ["DLOGITS"]
-        assert pruned.early_config_prune is None  # nothing left for the tracer to re-wrap
-        assert pruned.fn is cross_entropy_fwd_inplace_kernel.fn
-        assert sorted(map(CrossEntropyConfig.from_triton, pruned.configs), key=str) == sorted(search_space(v), key=str)
+        for thorough in (False, True):
+            with thorough_benchmarks() if thorough else contextlib.nullcontext():
+                pruned = pruned_autotuner(cross_entropy_fwd_inplace_kernel, _inplace_args(v), {"HAS_GRAD_SCALE": False})
+            assert isinstance(pruned, Autotuner)
+            assert pruned.restore_value == ["DLOGITS"]
+            assert pruned.early_config_prune is None  # nothing left for the tracer to re-wrap
+            assert pruned.fn is cross_entropy_fwd_inplace_kernel.fn
+            expected = search_space(v) if thorough else search_space(v)[:QUICK_FIRST_LAUNCH_CONFIGS]
+            assert list(map(CrossEntropyConfig.from_triton, pruned.configs)) == expected
+        assert len(search_space(v)) > QUICK_FIRST_LAUNCH_CONFIGS or v == 100
+
+
+def _rms_norm_bwd_args(n: int) -> tuple:
+    tensors = [torch.empty(8, n, dtype=torch.bfloat16) for _ in range(2)]
+    args = (*tensors, None, torch.empty(n, dtype=torch.bfloat16), torch.empty(8), *tensors[:1], torch.empty(2, n))
+    return (*args, n, n, 0, n, 8, n, 0.0)
+
+
+def test_every_pruning_keeps_its_search_space_order():
+    """Each kernel's early_config_prune returns the valid configs heuristic's favourite first (the
+    search space's order), whatever the order of the autotuner's full config list: the first is what
+    the interpreter launches, the first few what a quick first launch times."""
+    from inductor_ext.kernels import cross_entropy, norm_config, rope
+    from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+
+    for kernel, forward in ((rms_norm_fwd_kernel, True), (rms_norm_bwd_kernel, False)):
+        for n in (100, 3000, 4096, 16384, 65536):
+            pruned = kernel.early_config_prune(kernel.configs[::-1], {"N": n})
+            assert list(map(norm_config.NormConfig.from_triton, pruned)) == norm_config.search_space(n, forward)
+    for v in (100, 32000, 262144):
+        pruned = cross_entropy._prune(cross_entropy.cross_entropy_fwd_kernel.configs[::-1], {"V": v})
+        assert list(map(CrossEntropyConfig.from_triton, pruned)) == search_space(v)
+        pruned = cross_entropy._bwd_prune(cross_entropy.cross_entropy_bwd_kernel.configs[::-1], {"V": v})
+        assert [str(c) for c in pruned] == [str(c) for c in cross_entropy.bwd_search_space(v)]
+    named = {"n_q_heads": 32, "n_k_heads": 8, "HALF_PAD": 64, "PASS": 0, "PASS_PAD": 1}
+    pruned = rope._prune(rope._AUTOTUNE["configs"][::-1], named)
+    assert list(map(rope.RoPEConfig.from_triton, pruned)) == rope.search_space(32, 8, 64)
+
+
+def test_quick_first_launch_offers_the_first_configs_only_within():
+    """Within quick_first_launch the autotuner offers (and precompile_configs compiles) this launch's
+    first QUICK_FIRST_LAUNCH_CONFIGS configs, timed for AUTOTUNE_BENCH_MS; after it, every config again."""
+    from inductor_ext.kernels.norm_config import search_space as norm_search_space
+    from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
+    from inductor_ext.ops._library import (
+        AUTOTUNE_BENCH_MS,
+        QUICK_FIRST_LAUNCH_CONFIGS,
+        candidate_configs,
+        quick_first_launch,
+    )
+
+    args, kwargs = _rms_norm_bwd_args(4096), {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
+    everything = rms_norm_bwd_kernel.configs
+    assert len(candidate_configs(rms_norm_bwd_kernel, args, kwargs)) == len(norm_search_space(4096, False)) > 4
+    with quick_first_launch(rms_norm_bwd_kernel, args, kwargs):
+        offered = candidate_configs(rms_norm_bwd_kernel, args, kwargs)
+        bench = rms_norm_bwd_kernel.do_bench
+        assert (bench.keywords["warmup"], bench.keywords["rep"]) == AUTOTUNE_BENCH_MS
+    assert [str(c) for c in offered] == [str(c.to_triton()) for c in norm_search_space(4096, False)[:QUICK_FIRST_LAUNCH_CONFIGS]]
+    assert rms_norm_bwd_kernel.configs is everything and "do_bench" not in rms_norm_bwd_kernel.__dict__
 
 
 def test_pruned_autotuner_passes_plain_kernels_through():
@@ -57,11 +117,8 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
         compiled.append((grid, meta))
 
     monkeypatch.setattr(rms_norm_bwd_kernel.fn, "warmup", warmup)
-    tensors = [torch.empty(8, n, dtype=torch.bfloat16) for _ in range(2)]
-    args = (*tensors, None, torch.empty(n, dtype=torch.bfloat16), torch.empty(8), *tensors[:1], torch.empty(2, n))
-    args += (n, n, 0, n, 8, n, 0.0)
     kwargs = {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
-    precompile_configs(rms_norm_bwd_kernel, lambda meta: (meta["BLOCK_M"],), args, kwargs)
+    precompile_configs(rms_norm_bwd_kernel, lambda meta: (meta["BLOCK_M"],), _rms_norm_bwd_args(n), kwargs)
 
     expected = {c.to_triton() for c in search_space(n, forward=False)}
     configs = [triton.Config({k: meta[k] for k in ("PERSISTENT", "BLOCK_M", "BLOCK_N", "PREFETCH")},
