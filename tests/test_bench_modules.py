@@ -54,3 +54,12 @@ def test_rotated_order_puts_every_name_in_every_place():
         assert sorted(order[place] for order in orders) == sorted(names)
     assert harness.rotated_order(names, len(names) + 1) == orders[1]
     assert harness.rotated_order([], 3) == []
+
+
+def test_backend_bench_compile_time_flags_exclude_each_other(capsys):
+    from inductor_ext.bench import backend
+
+    with pytest.raises(SystemExit) as exit_info:
+        backend.main(["--no-compile-times", "--compile-times-only"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -101,8 +101,11 @@ def _compile_times(args: Any) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--no-compile-times", action="store_true",
-                        help="skip the fresh-process compile times (about half of the run)")  # fmt: skip
+    times = parser.add_mutually_exclusive_group()
+    times.add_argument("--no-compile-times", action="store_true",
+                       help="skip the fresh-process compile times (about half of the run)")  # fmt: skip
+    times.add_argument("--compile-times-only", action="store_true",
+                       help="only the fresh-process compile times (about half of the run)")  # fmt: skip
     parser.add_argument("--first-step", help=argparse.SUPPRESS)  # a child process: one provider's compile time
     args = parse_on_gpu(parser, argv)
     show_route_timing()
@@ -112,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     compile_s = {} if args.no_compile_times else _compile_times(args)
-    model, params, x, dy = decoder_step_inputs(args)
-    providers = {name: _provider(name, model) for name in ("eager", "torch_compile", *(f"fastops_{r}" for r in ROUTES))}
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
         "hidden": args.hidden, "shape": [args.batch, args.seq], "providers": {},
         "first_step_s_fresh_process": compile_s,
     }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.compile_times_only:
+        _print_compile_times(compile_s)
+        (args.out / "backend_llama_compile_times.json").write_text(json.dumps(report, indent=1))
+        return 0
+    model, params, x, dy = decoder_step_inputs(args)
+    providers = {name: _provider(name, model) for name in ("eager", "torch_compile", *(f"fastops_{r}" for r in ROUTES))}
     steps = {}
     for name, fn in providers.items():
         counters["inductor_ext"].clear()
@@ -157,13 +165,18 @@ def main(argv: list[str] | None = None) -> int:
                "other kernels us", "in graph: GEMM", "attention", "other", "peak GiB"]  # fmt: skip
     print(tabulate(rows, headers=headers))
     if compile_s:
-        base_s = compile_s["torch_compile"]
-        compile_rows = [(name, f"{s:.1f}", f"{s / base_s:.2f}") for name, s in compile_s.items()]
-        print(tabulate(compile_rows, headers=["provider", "first step s (fresh process)", "vs torch.compile's"]))
+        _print_compile_times(compile_s)
     print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "backend_llama.json").write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _print_compile_times(compile_s: dict[str, float]) -> None:
+    from tabulate import tabulate
+
+    base_s = compile_s["torch_compile"]
+    rows = [(name, f"{s:.1f}", f"{s / base_s:.2f}") for name, s in compile_s.items()]
+    print(tabulate(rows, headers=["provider", "first step s (fresh process)", "vs torch.compile's"]))
 
 
 if __name__ == "__main__":
