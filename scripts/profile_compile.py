@@ -58,7 +58,9 @@ def main() -> None:
     scratch, database = tempfile.mkdtemp(), tempfile.mkdtemp()
     for name in args.providers:
         env = fresh_cache_env(scratch, database if name.startswith("fastops_auto") else tempfile.mkdtemp())
-        subprocess.run([sys.executable, __file__, str(args.out), "--child", name], env={**os.environ, **env}, check=False)
+        subprocess.run(
+            [sys.executable, __file__, str(args.out), "--child", name], env={**os.environ, **env}, check=False
+        )
 
 
 if __name__ == "__main__":
