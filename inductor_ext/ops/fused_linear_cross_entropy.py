@@ -30,7 +30,8 @@ Memory beside the inputs, eager and compiled: the fp32 accumulator (``4 V H`` by
 plus the larger of one chunk of logits (``C V`` elements, during the loop) and the
 rounded ``dweight`` (``V H``, after it: the last chunk's logits are freed first), plus
 ``dhidden``. The default chunk (``C = H``) makes the two equal: ``6 V H`` bytes in
-16 bits, 2.9 GiB at ``V = 128256, H = 4096``.
+16 bits, 2.9 GiB at ``V = 128256, H = 4096`` (measured on the H200 at N = 8192: +3.06 GiB
+for a forward and backward, eager and compiled).
 
 For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
 for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
