@@ -304,9 +304,9 @@ def quick_first_launch(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str,
 @contextlib.contextmanager
 def thorough_benchmarks() -> Iterator[None]:
     """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
-    :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's setting, where a pick matters more than the
-    seconds (H200, session 7, Llama-3-8B shapes: the worst pick was 4.2% off the best re-timed
-    config with the short budget, 2.4% with the full one)."""
+    :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's
+    setting, where a pick matters more than the seconds (H200, session 7, Llama-3-8B shapes: the
+    worst pick was 4.2% off the best re-timed config with the short budget, 2.4% with the full one)."""
     previous = DirectLaunch.quick_first_launch
     DirectLaunch.quick_first_launch = False
     try:

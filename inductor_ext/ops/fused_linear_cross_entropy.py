@@ -160,36 +160,6 @@ def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor)
     return acc
 
 
-def _chunk_loss_and_grads(
-    chunk_loss: ChunkLoss,
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Tensor | None,
-    options: CeOptions,
-    grad_scale: Tensor | None,
-    grads: tuple[bool, bool, bool],
-    dw_acc: Tensor | None,
-    db_acc: Tensor | None,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """One chunk's row losses, its ``dhidden`` rows (None unless requested) and the fp32 ``dweight`` and
-    ``dbias`` accumulators with its contribution added (the arguments when not requested or without a
-    gradient). A function of its own so that the chunk's ``(C, V)`` logits are freed on return: the
-    last chunk's are never alive beside the accumulator and the rounded ``dweight``."""
-    need_dx, need_dw, need_db = grads
-    logits = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
-    loss, dlogits = chunk_loss(logits, labels, options, grad_scale, any(grads))
-    if dlogits is None:
-        return loss, None, dw_acc, db_acc
-    dx = _input_grad(dlogits, weight) if need_dx else None
-    if need_dw:
-        dw_acc = _accumulate_weight_grad(dw_acc, dlogits, hidden)
-    if need_db:
-        db = dlogits.sum(0, dtype=torch.float32)
-        db_acc = db if db_acc is None else db_acc + db
-    return loss, dx, dw_acc, db_acc
-
-
 def _chunked_loss_and_grads(
     chunk_loss: ChunkLoss,
     hidden: Tensor,
@@ -212,6 +182,25 @@ def _chunked_loss_and_grads(
     dx_chunks: list[Tensor] = []
     dw_acc: Tensor | None = None
     db_acc: Tensor | None = None
+
+    def chunk_step(h_c: Tensor, labels_c: Tensor, scale_c: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """One chunk's row losses and ``dhidden`` rows (None unless requested), its ``dweight`` and
+        ``dbias`` added to the fp32 accumulators. A function of its own so that the chunk's ``(C, V)``
+        logits are freed on return: the last chunk's are never alive beside the accumulator and the
+        rounded ``dweight``."""
+        nonlocal dw_acc, db_acc
+        logits = h_c @ weight.t() if bias is None else torch.addmm(bias, h_c, weight.t())
+        loss, dlogits = chunk_loss(logits, labels_c, options, scale_c, any(grads))
+        if dlogits is None:
+            return loss, None
+        dx_c = _input_grad(dlogits, weight) if need_dx else None
+        if need_dw:
+            dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c)
+        if need_db:
+            db_c = dlogits.sum(0, dtype=torch.float32)
+            db_acc = db_c if db_acc is None else db_acc + db_c
+        return loss, dx_c
+
     # int() of a symbolic row count guards only the number of chunks (a range of counts), and
     # the last chunk ends at n whatever n is within that range
     num_chunks = int((n + chunk_size - 1) // chunk_size)
@@ -219,9 +208,7 @@ def _chunked_loss_and_grads(
         start = k * chunk_size
         end = n if k == num_chunks - 1 else start + chunk_size
         scale_c = grad_scale if grad_scale is None or grad_scale.dim() == 0 else grad_scale[start:end]
-        loss_c, dx_c, dw_acc, db_acc = _chunk_loss_and_grads(
-            chunk_loss, hidden[start:end], weight, labels[start:end], bias, options, scale_c, grads, dw_acc, db_acc
-        )
+        loss_c, dx_c = chunk_step(hidden[start:end], labels[start:end], scale_c)
         row_losses.append(loss_c)
         if dx_c is not None:
             dx_chunks.append(dx_c)
