@@ -54,7 +54,7 @@ def _affine(xhat, w, b, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     return y
 
 
-@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT", "HAS_BIAS"]))
+@triton.autotune(**autotune_kwargs(forward=True, key=["N", "HAS_WEIGHT", "HAS_BIAS"], two_reductions=True))
 @triton.jit
 def layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,

@@ -50,8 +50,9 @@ class NormConfig:
         return cls(bool(kw["PERSISTENT"]), kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, bool(kw["PREFETCH"]))
 
 
-def search_space(n: int, forward: bool = True) -> list[NormConfig]:
-    """Every config valid for rows of ``n`` elements, the heuristic's favourite first.
+def search_space(n: int, forward: bool = True, two_reductions: bool = False) -> list[NormConfig]:
+    """Every config valid for rows of ``n`` elements, the heuristic's favourite first
+    (:func:`_heuristic_rank`; ``two_reductions``: :func:`_two_reductions_rank`, same configs).
 
     Persistent (rows up to ``MAX_PERSISTENT_BLOCK``): 1-8 rows per step, 8-32 fp32
     values per thread and operand; the backward tries each with and without prefetching.
@@ -73,7 +74,8 @@ def search_space(n: int, forward: bool = True) -> list[NormConfig]:
             persistent += [dataclasses.replace(c, prefetch=True) for c in persistent]
     chunks = (2048, 4096) if block <= MAX_PERSISTENT_BLOCK else (1024, 2048, 4096)
     looped = [NormConfig(False, 1, chunk, num_warps) for chunk in chunks if chunk < block for num_warps in (8, 16)]
-    return sorted(persistent + looped, key=lambda c: _heuristic_rank(c, block))
+    rank = _two_reductions_rank if two_reductions else _heuristic_rank
+    return sorted(persistent + looped, key=lambda c: rank(c, block))
 
 
 def _heuristic_rank(config: NormConfig, block: int) -> tuple[int, int, int, int]:
@@ -81,6 +83,21 @@ def _heuristic_rank(config: NormConfig, block: int) -> tuple[int, int, int, int]
     per_thread = config.block_m * config.block_n // (32 * config.num_warps)
     rows_wanted = max(1, 2048 // block)
     return (not config.persistent, abs(per_thread - 16), abs(config.block_m - rows_wanted), config.prefetch)
+
+
+def _two_reductions_rank(config: NormConfig, block: int) -> tuple[int, int, int]:
+    """For a forward that reduces twice in a row (LayerNorm: the mean, then the centred squares):
+    prefer persistent, at least two rows and 8192 elements per step, 32 values per thread.
+
+    Two rows per program keep a second row's reductions in flight while one waits. The H200's
+    full timing of every config picked exactly these at 2048, 4096 and 8192 elements (session 7:
+    4, 2, 2 rows; 8, 8, 16 warps). Session 9 timed them 8% (32768 x 4096) and 32% (16384 x 8192)
+    faster than the one-row configs :func:`_heuristic_rank` puts first, which is all a quick
+    first launch's four configs had held.
+    """
+    per_thread = config.block_m * config.block_n // (32 * config.num_warps)
+    rows_wanted = max(2, 8192 // block)
+    return (not config.persistent, abs(config.block_m - rows_wanted), abs(per_thread - 32))
 
 
 def programs_per_sm(n: int) -> int:
@@ -108,15 +125,25 @@ def prune_forward(configs: list[triton.Config], named_args: dict, **kwargs: obje
     return in_search_order(configs, search_space(named_args["N"], forward=True), NormConfig.from_triton)
 
 
+def prune_forward_two_reductions(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """:func:`prune_forward` in the order of ``search_space(N, forward=True, two_reductions=True)``."""
+    space = search_space(named_args["N"], forward=True, two_reductions=True)
+    return in_search_order(configs, space, NormConfig.from_triton)
+
+
 def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
     """``early_config_prune`` of a backward kernel: the configs in ``search_space(N, forward=False)``, in its order."""
     return in_search_order(configs, search_space(named_args["N"], forward=False), NormConfig.from_triton)
 
 
-def autotune_kwargs(forward: bool, key: list[str]) -> dict[str, object]:
-    """``@triton.autotune`` arguments: every config, pruned per call to the valid ones for ``N``.
+def autotune_kwargs(forward: bool, key: list[str], two_reductions: bool = False) -> dict[str, object]:
+    """``@triton.autotune`` arguments: every config, pruned per call to the valid ones for ``N``
+    (in :func:`search_space`'s order, with ``two_reductions`` for a forward that reduces twice).
 
     Only what Inductor accepts on a user kernel (configs, key, prune_configs_by).
     """
-    prune = prune_forward if forward else prune_backward
+    if forward:
+        prune = prune_forward_two_reductions if two_reductions else prune_forward
+    else:
+        prune = prune_backward
     return {"configs": _all_configs(), "key": key, "prune_configs_by": {"early_config_prune": prune}}

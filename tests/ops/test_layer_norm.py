@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
+from inductor_ext.kernels.layer_norm import layer_norm_fwd_kernel
 from inductor_ext.kernels.norm_config import MAX_PERSISTENT_BLOCK, NormConfig, search_space
 from inductor_ext.ops._library import force_launch_config
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_family, layer_norm_ref
@@ -89,6 +90,17 @@ def test_every_long_row_config_matches_float64():
     for config in configs:
         with force_launch_config(config.to_triton().all_kwargs()):
             _check_against_float64((3, 4999), torch.float32)
+
+
+@pytest.mark.parametrize(("n", "rows", "warps"), [(2048, 4, 8), (4096, 2, 8), (8192, 2, 16)])
+def test_forward_ranks_two_rows_per_step_first(n, rows, warps):
+    """The forward kernel's pruning (what a quick first launch takes the first configs of) puts the
+    H200's full-timing winners first: two rows or more per step, 32 values per thread; the set
+    of configs is the shared search space's."""
+    pruned = layer_norm_fwd_kernel.early_config_prune(layer_norm_fwd_kernel.configs, {"N": n})
+    first = NormConfig.from_triton(pruned[0])
+    assert (first.persistent, first.block_m, first.num_warps) == (True, rows, warps)
+    assert sorted(map(NormConfig.from_triton, pruned), key=repr) == sorted(search_space(n, forward=True), key=repr)
 
 
 def test_large_row_uses_looped_kernel():
