@@ -125,7 +125,9 @@ def prune_forward(configs: list[triton.Config], named_args: dict, **kwargs: obje
     return in_search_order(configs, search_space(named_args["N"], forward=True), NormConfig.from_triton)
 
 
-def prune_forward_two_reductions(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+def prune_forward_two_reductions(
+    configs: list[triton.Config], named_args: dict, **kwargs: object
+) -> list[triton.Config]:
     """:func:`prune_forward` in the order of ``search_space(N, forward=True, two_reductions=True)``."""
     space = search_space(named_args["N"], forward=True, two_reductions=True)
     return in_search_order(configs, space, NormConfig.from_triton)
