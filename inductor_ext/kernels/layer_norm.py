@@ -17,6 +17,10 @@ Backward, with ``g = dy * w`` (``g = dy`` without weight)::
 ``dw`` and ``db`` are reduced deterministically: each program accumulates the
 rows it owns in fp32 and writes one partial row to ``DW_PARTIAL[pid, :]`` and
 ``DB_PARTIAL[pid, :]``; the caller sums the ``(num_programs, N)`` partials. No atomics.
+For long rows (``ops.layer_norm.TWO_PASS_BACKWARD_MIN_N``), where a whole row of dw
+and db accumulators per program spills, :func:`layer_norm_bwd_kernel` writes dx
+only (``PARAM_GRADS=False``) and :func:`layer_norm_bwd_param_grads_kernel` reduces
+dw and db over the rows in column tiles, reading x and dy a second time.
 
 Two strategies per kernel, chosen by autotuning among ``norm_config.search_space``:
 
@@ -146,21 +150,24 @@ def _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy,
     return x, dy, mean, rstd
 
 
-@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT", "HAS_BIAS"]))
+@triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT", "HAS_BIAS", "PARAM_GRADS"]))
 @triton.jit
 def layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     stride_dy, stride_x, stride_dx, M, N,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, PARAM_GRADS: tl.constexpr,
     PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
-    DW_PARTIAL[pid] = sum over own rows of dy * xhat, DB_PARTIAL[pid] = sum over own rows of dy.
+    with ``PARAM_GRADS``: DW_PARTIAL[pid] = sum over own rows of dy * xhat (HAS_WEIGHT),
+    DB_PARTIAL[pid] = sum over own rows of dy (HAS_BIAS).
 
     A fixed grid of programs strides over row blocks, so each keeps one fp32 partial
     row of dw and of db for all its rows. Padding lanes and rows load dy = 0, so they
     add nothing to the sums.
     """
+    HAS_WEIGHT_GRAD: tl.constexpr = HAS_WEIGHT and PARAM_GRADS
+    HAS_BIAS_GRAD: tl.constexpr = HAS_BIAS and PARAM_GRADS
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     dw_row = DW_PARTIAL + tl.cast(pid, tl.int64) * N
@@ -200,22 +207,22 @@ def layer_norm_bwd_kernel(
             c2 = tl.sum(g, axis=1) / N
             dx = rstd[:, None] * (g - c2[:, None] - xhat * c1[:, None])
             tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            if HAS_WEIGHT:
+            if HAS_WEIGHT_GRAD:
                 dw_acc += tl.sum(dy * xhat, axis=0)
-            if HAS_BIAS:
+            if HAS_BIAS_GRAD:
                 db_acc += tl.sum(dy, axis=0)
-        if HAS_WEIGHT:
+        if HAS_WEIGHT_GRAD:
             tl.store(dw_row + cols, dw_acc, mask=col_mask)
-        if HAS_BIAS:
+        if HAS_BIAS_GRAD:
             tl.store(db_row + cols, db_acc, mask=col_mask)
     else:
         # One row per step and 1-D chunks throughout, so every thread re-reads only
         # the partial elements it wrote itself.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            if HAS_WEIGHT:
+            if HAS_WEIGHT_GRAD:
                 tl.store(dw_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
-            if HAS_BIAS:
+            if HAS_BIAS_GRAD:
                 tl.store(db_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=cols < N)
         for row in tl.range(pid, M, num_programs):
             row64 = tl.cast(row, tl.int64)
@@ -250,10 +257,56 @@ def layer_norm_bwd_kernel(
                 g = dy
                 if HAS_WEIGHT:
                     g = dy * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                if HAS_WEIGHT_GRAD:
                     dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)
-                if HAS_BIAS:
+                if HAS_BIAS_GRAD:
                     db = tl.load(db_row + cols, mask=col_mask, other=0.0)
                     tl.store(db_row + cols, db + dy, mask=col_mask)
                 dx = rstd * (g - c2 - xhat * c1)
                 tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+
+
+def _param_grads_configs() -> list[triton.Config]:
+    """Column tiles of ``BLOCK_M x BLOCK_N`` with 8 or 16 elements per thread and operand, 4-16 warps,
+    rows of 128-256 columns (256-512 contiguous bytes of bf16); 16 per thread and the largest
+    tiles first (the most bytes in flight per program: a quick first launch times the first four)."""
+    shapes = [(m, n, w) for m in (16, 32, 64) for n in (128, 256) for w in (4, 8, 16)]
+    shapes = [(m, n, w) for m, n, w in shapes if m * n // (32 * w) in (8, 16)]
+    shapes.sort(key=lambda s: (s[0] * s[1] // (32 * s[2]) != 16, -s[0] * s[1], s[2]))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w) for m, n, w in shapes]
+
+
+@triton.autotune(configs=_param_grads_configs(), key=["N", "HAS_WEIGHT", "HAS_BIAS"])
+@triton.jit
+def layer_norm_bwd_param_grads_kernel(
+    DY, X, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, M, N,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """DW_PARTIAL[group, cols] = sum of dy * xhat and DB_PARTIAL[group, cols] = sum of dy over the
+    row blocks ``group, group + groups, ...`` of one ``BLOCK_N``-wide column tile, with
+    xhat = (x - MEAN[row]) * RSTD[row] as in the forward.
+
+    Grid ``(cdiv(N, BLOCK_N), groups)``. Each step loads a ``BLOCK_M x BLOCK_N`` tile of x and dy
+    and adds it into 2-D fp32 accumulators, reduced over rows once at the end; padding rows and
+    columns load dy = 0 and add nothing.
+    """
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    group = tl.program_id(1)
+    groups = tl.num_programs(1)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for block in tl.range(group, tl.cdiv(M, BLOCK_M), groups):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
+        dy = dy.to(tl.float32)
+        if HAS_WEIGHT:
+            dw_acc += dy * ((x.to(tl.float32) - mean[:, None]) * rstd[:, None])
+        if HAS_BIAS:
+            db_acc += dy
+    out = tl.cast(group, tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + out, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + out, tl.sum(db_acc, axis=0), mask=col_mask)

@@ -22,7 +22,11 @@ import torch
 import triton
 from torch import Tensor
 
-from inductor_ext.kernels.layer_norm import layer_norm_bwd_kernel, layer_norm_fwd_kernel
+from inductor_ext.kernels.layer_norm import (
+    layer_norm_bwd_kernel,
+    layer_norm_bwd_param_grads_kernel,
+    layer_norm_fwd_kernel,
+)
 from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._library import Launch, define_op_family, grid_stride_programs
@@ -79,6 +83,13 @@ def layer_norm_fwd_kernels(
     return y, mean, rstd
 
 
+TWO_PASS_BACKWARD_MIN_N = 16384
+"""Rows at least this long take the two-pass backward (:func:`_two_pass_bwd`): there the one-kernel
+backward's whole-row dw/db accumulators spill (ptxas, sm_90, session 7: 832 bytes per thread at
+N = 16384) and it ran at 35% of its copy floor on the H200 (4096 x 16384: 256 us). Branch
+``layer-norm-two-pass-bwd``: the threshold is a guess until measured."""
+
+
 def layer_norm_bwd_kernels(
     launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -86,16 +97,40 @@ def layer_norm_bwd_kernels(
     weight = None if weight is None else unit_last_stride(weight)
     M, N = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    two_pass = N >= TWO_PASS_BACKWARD_MIN_N
     programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw/db partial rows
-    dw_partial = x.new_empty((programs, N) if weight is not None else (0,), dtype=torch.float32)
-    db_partial = x.new_empty((programs, N) if bias is not None else (0,), dtype=torch.float32)
+    partial_rows = 0 if two_pass else programs
+    dw_partial = x.new_empty((partial_rows, N) if weight is not None else (0,), dtype=torch.float32)
+    db_partial = x.new_empty((partial_rows, N) if bias is not None else (0,), dtype=torch.float32)
     launch(
         layer_norm_bwd_kernel,
         lambda meta: (programs,),
         dy, x, weight, mean, rstd, dx, dw_partial, db_partial, dy.stride(0), x.stride(0), dx.stride(0), M, N,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, PARAM_GRADS=not two_pass,
     )  # fmt: skip
+    if two_pass:
+        dw_partial, db_partial = _param_grad_partials(launch, dy, x, weight, bias, mean, rstd)
     return dx, sum_partial_rows(launch, dw_partial, weight), sum_partial_rows(launch, db_partial, bias)
+
+
+def _param_grad_partials(
+    launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The two-pass backward's second pass: dw and db partials ``(groups, N)``, each group of rows
+    reduced in column tiles (:func:`layer_norm_bwd_param_grads_kernel`), x and dy read again.
+    About 4 programs per SM at 256-column tiles (twice that at 128), each group at least 16 rows."""
+    M, N = x.shape
+    groups = max(1, min(triton.cdiv(M, 16), grid_stride_programs(x.device, 4) // triton.cdiv(N, 256)))
+    dw_partial = x.new_empty((groups, N) if weight is not None else (0,), dtype=torch.float32)
+    db_partial = x.new_empty((groups, N) if bias is not None else (0,), dtype=torch.float32)
+    if weight is not None or bias is not None:
+        launch(
+            layer_norm_bwd_param_grads_kernel,
+            lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), groups),
+            dy, x, mean, rstd, dw_partial, db_partial, dy.stride(0), x.stride(0), M, N,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        )  # fmt: skip
+    return dw_partial, db_partial
 
 
 def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor, Tensor]) -> None:

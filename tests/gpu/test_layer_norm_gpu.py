@@ -128,3 +128,29 @@ def test_cpp_wrapper_autotunes_our_kernel_at_compile_time(monkeypatch):
     torch.testing.assert_close(y2, y, atol=0, rtol=0)
     # eager may tune to another config, whose reductions round differently (by an ulp of bf16)
     torch.testing.assert_close(y, layer_norm(x, w, b))
+
+
+def test_two_pass_backward_every_config_and_compiled():
+    """Rows of TWO_PASS_BACKWARD_MIN_N take the two-pass backward: every config of its dw/db kernel
+    against float64 (a bf16 train step at 300 x N), and a compiled train step launches the dx
+    kernel and the dw/db kernel as user-defined Triton kernels."""
+    from inductor_ext.kernels.layer_norm import layer_norm_bwd_param_grads_kernel
+    from inductor_ext.ops._library import force_launch_config
+    from inductor_ext.ops.layer_norm import TWO_PASS_BACKWARD_MIN_N
+
+    n = TWO_PASS_BACKWARD_MIN_N
+    x = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    ref = _grads(layer_norm_ref, x.double(), w.double(), b.double(), dy.double())
+    for config in layer_norm_bwd_param_grads_kernel.configs:
+        with force_launch_config(config.all_kwargs()):
+            ours = _grads(layer_norm, x, w, b, dy)
+        for name, o, r in zip(("y", "dx", "dw", "db"), ours, ref):
+            assert rel_err(o, r) < 1e-2, (config, name)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b: inductor_ext.layer_norm(x, w, b), fullgraph=True)
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    _, code = run_and_get_joined_code(lambda: compiled(*leaves).float().square().sum().backward())
+    assert "layer_norm_bwd_param_grads_kernel" in code and "layer_norm_bwd_kernel" in code

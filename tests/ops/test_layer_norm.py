@@ -103,6 +103,38 @@ def test_forward_ranks_two_rows_per_step_first(n, rows, warps):
     assert sorted(map(NormConfig.from_triton, pruned), key=repr) == sorted(search_space(n, forward=True), key=repr)
 
 
+@pytest.mark.parametrize("n, rows", [(123, 300), (5000, 5)])
+def test_two_pass_backward_every_config_matches_float64(n, rows, monkeypatch):
+    """The two-pass backward (rows of TWO_PASS_BACKWARD_MIN_N or more), forced on short rows: every
+    config of the dx kernel (no dw/db partials) and of the dw/db column-tile kernel, whose groups
+    stride over several row blocks at 300 rows."""
+    import importlib
+
+    from inductor_ext.kernels.layer_norm import layer_norm_bwd_param_grads_kernel
+
+    monkeypatch.setattr(importlib.import_module("inductor_ext.ops.layer_norm"), "TWO_PASS_BACKWARD_MIN_N", 1)
+    for config in _all_configs(n):
+        with force_launch_config(config.to_triton().all_kwargs()):
+            _check_against_float64((rows, n), torch.float32)
+    for config in layer_norm_bwd_param_grads_kernel.configs:
+        with force_launch_config(config.all_kwargs()):
+            _check_against_float64((rows, n), torch.float32)
+
+
+@pytest.mark.parametrize("with_weight, with_bias", [(True, True), (True, False), (False, True), (False, False)])
+def test_two_pass_backward_takes_long_rows(with_weight, with_bias):
+    """Rows of TWO_PASS_BACKWARD_MIN_N elements take the two-pass backward (the dx kernel, then the
+    dw/db kernel when there is a parameter), with or without weight and bias, in bf16."""
+    from inductor_ext.ops._library import record_autotuned_launches
+    from inductor_ext.ops.layer_norm import TWO_PASS_BACKWARD_MIN_N
+
+    with record_autotuned_launches() as launches:
+        _check_against_float64((3, TWO_PASS_BACKWARD_MIN_N), torch.bfloat16, with_weight, with_bias)
+    kernels = {(kernel.fn.__name__, kwargs.get("PARAM_GRADS")) for kernel, _, kwargs in launches}
+    assert ("layer_norm_bwd_kernel", False) in kernels and ("layer_norm_bwd_kernel", True) not in kernels
+    assert (("layer_norm_bwd_param_grads_kernel", None) in kernels) == (with_weight or with_bias)
+
+
 def test_large_row_uses_looped_kernel():
     """N > 65536: the looped path (the persistent search space stops at 32768)."""
     assert all(not c.persistent for c in search_space(70001))
