@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import triton
-from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
@@ -38,6 +37,7 @@ from triton.runtime.jit import create_function_from_signature
 
 import inductor_ext.ops._library as library
 from inductor_ext.autotune.calls import load_calls
+from inductor_ext.autotune.report import format_table
 from inductor_ext.inductor.choice import capture_backward_args
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -116,7 +116,8 @@ def main() -> None:
                 rows.append({"call": str(call), "kernel": fn.__name__, "config": shown,
                              **compile_one(fn, kernel_args, meta, target)})  # fmt: skip
                 print(f"{fn.__name__:40s} {rows[-1]['seconds']:6.2f} s", flush=True)
-    print(tabulate(rows, headers="keys", floatfmt=".2f"))
+    columns = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
+    print(format_table([[f"{r[c]:.2f}" if c == "seconds" else str(r[c]) for c in columns] for r in rows], columns))
     print(f"total {sum(r['seconds'] for r in rows):.1f} s for {len(rows)} compiles")
 
 
