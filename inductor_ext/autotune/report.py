@@ -61,13 +61,14 @@ def entry_rows(items: Iterable[tuple[str, dict[str, Any]]]) -> list[list[str]]:
     return rows
 
 
-def format_table(rows: Sequence[Sequence[str]]) -> str:
+def format_table(rows: Sequence[Sequence[str]], columns: Sequence[str] = COLUMNS) -> str:
+    """``rows`` under ``columns`` (default: the decision tables'), with tabulate or as plain text."""
     try:
         from tabulate import tabulate  # type: ignore[import-untyped]
     except ImportError:
-        widths = [max(len(str(r[i])) for r in (COLUMNS, *rows)) for i in range(len(COLUMNS))]
-        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (COLUMNS, *rows))
-    return tabulate(rows, headers=COLUMNS, disable_numparse=True)
+        widths = [max(len(str(r[i])) for r in (columns, *rows)) for i in range(len(columns))]
+        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (columns, *rows))
+    return tabulate(rows, headers=columns, disable_numparse=True)
 
 
 def _ms(value: float | None, spread: float | None = None) -> str:

@@ -82,18 +82,24 @@ def _first_step_s(name: str, args: Any) -> float:
     return time.perf_counter() - start
 
 
+def first_step_command(args: Any, provider: str) -> list[str]:
+    """The child process that prints ``provider``'s first-step (compile) seconds for ``args``'s decoder
+    (``layers``, ``batch``, ``seq``, ``hidden``); run it with :func:`run_child`."""
+    return [sys.executable, "-m", "inductor_ext.bench", "backend", "--layers", str(args.layers),
+            "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
+            "--first-step", provider]  # fmt: skip
+
+
 def _compile_times(args: Any) -> dict[str, float]:
     """First-step seconds of each compiled provider, each in a fresh process (:func:`fresh_cache_env`);
     ``fastops_auto_warm_db`` reuses the tuning database ``fastops_auto``'s process filled."""
-    command = [sys.executable, "-m", "inductor_ext.bench", "backend", "--layers", str(args.layers),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden), "--first-step"]  # fmt: skip
     seconds = {}
     with tempfile.TemporaryDirectory(prefix="backend_bench_") as scratch:
         auto_db = tempfile.mkdtemp(dir=scratch)
         for name in ("torch_compile", *(f"fastops_{route}" for route in ROUTES), "fastops_auto_warm_db"):
             tuning_dir = auto_db if name.startswith("fastops_auto") else tempfile.mkdtemp(dir=scratch)
-            provider = name.removesuffix("_warm_db")
-            seconds[name] = run_child([*command, provider], fresh_cache_env(scratch, tuning_dir))["seconds"]
+            command = first_step_command(args, name.removesuffix("_warm_db"))
+            seconds[name] = run_child(command, fresh_cache_env(scratch, tuning_dir))["seconds"]
             print(f"{name}: first step (compile) {seconds[name]:.1f} s in a fresh process", flush=True)
     return seconds
 

@@ -19,6 +19,7 @@ Kernels use it as ``@triton.autotune(**autotune_kwargs(forward, key=[...]))``.
 """
 
 import dataclasses
+import functools
 
 import triton
 
@@ -120,22 +121,16 @@ def _all_configs() -> list[triton.Config]:
     return [c.to_triton() for c in seen]
 
 
-def prune_forward(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of a forward kernel: the configs in ``search_space(N, forward=True)``, in its order."""
-    return in_search_order(configs, search_space(named_args["N"], forward=True), NormConfig.from_triton)
-
-
-def prune_forward_two_reductions(
-    configs: list[triton.Config], named_args: dict, **kwargs: object
+def _prune(
+    configs: list[triton.Config], named_args: dict, *, forward: bool, two_reductions: bool = False, **kwargs: object
 ) -> list[triton.Config]:
-    """:func:`prune_forward` in the order of ``search_space(N, forward=True, two_reductions=True)``."""
-    space = search_space(named_args["N"], forward=True, two_reductions=True)
+    """``early_config_prune``: the configs in ``search_space(N, forward, two_reductions)``, in its order."""
+    space = search_space(named_args["N"], forward, two_reductions)
     return in_search_order(configs, space, NormConfig.from_triton)
 
 
-def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of a backward kernel: the configs in ``search_space(N, forward=False)``, in its order."""
-    return in_search_order(configs, search_space(named_args["N"], forward=False), NormConfig.from_triton)
+prune_forward = functools.partial(_prune, forward=True)
+prune_backward = functools.partial(_prune, forward=False)
 
 
 def autotune_kwargs(forward: bool, key: list[str], two_reductions: bool = False) -> dict[str, object]:
@@ -144,8 +139,5 @@ def autotune_kwargs(forward: bool, key: list[str], two_reductions: bool = False)
 
     Only what Inductor accepts on a user kernel (configs, key, prune_configs_by).
     """
-    if forward:
-        prune = prune_forward_two_reductions if two_reductions else prune_forward
-    else:
-        prune = prune_backward
+    prune = functools.partial(_prune, forward=forward, two_reductions=two_reductions)
     return {"configs": _all_configs(), "key": key, "prune_configs_by": {"early_config_prune": prune}}

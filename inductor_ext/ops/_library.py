@@ -150,7 +150,7 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
     if stored is not None and any(c.kwargs == stored.kwargs and c.num_warps == stored.num_warps for c in configs):
         configs = [stored]
     elif DirectLaunch.quick_first_launch:  # Inductor tunes it at compile time: the quick first launch's configs
-        configs = configs[:QUICK_FIRST_LAUNCH_CONFIGS]
+        configs = quick_configs(configs)
     return triton.autotune(
         configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
     )(kernel.fn)
@@ -263,6 +263,13 @@ at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RM
 (2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
 The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
 
+
+def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """What a quick first launch (or Inductor's tuning of a traced launch) times of a launch's
+    pruned ``configs``: the first :data:`QUICK_FIRST_LAUNCH_CONFIGS`."""
+    return configs[:QUICK_FIRST_LAUNCH_CONFIGS]
+
+
 AUTOTUNE_BENCH_MS = (5, 25)
 """Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
 25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
@@ -293,7 +300,7 @@ def quick_first_launch(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str,
     """Within: ``kernel``'s autotuner offers this launch's first :data:`QUICK_FIRST_LAUNCH_CONFIGS`
     configs only, and times each for :data:`AUTOTUNE_BENCH_MS` (:func:`quick_benchmarks`)."""
     previous = kernel.configs
-    kernel.configs = candidate_configs(kernel, args, kwargs)[:QUICK_FIRST_LAUNCH_CONFIGS]
+    kernel.configs = quick_configs(candidate_configs(kernel, args, kwargs))
     try:
         with quick_benchmarks(kernel):
             yield

@@ -8,7 +8,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
-from inductor_ext.kernels.cross_entropy import MAX_PERSISTENT_BLOCK, bwd_search_space, search_space
+from inductor_ext.kernels.cross_entropy import (
+    MAX_PERSISTENT_BLOCK,
+    CrossEntropyConfig,
+    bwd_search_space,
+    search_space,
+)
 from inductor_ext.ops._library import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_family, cross_entropy_ref
 from tests.conftest import DEVICE
@@ -95,6 +100,16 @@ OPTIONS = [
 @pytest.mark.parametrize("kw", OPTIONS, ids=str)
 def test_options_match_float64(kw, dtype):
     _check_against_float64((7, 3000), dtype, **kw)
+
+
+def test_quick_first_launch_includes_the_full_timing_pick():
+    """At V = 128256 (and 32000) a quick first launch's configs include the looped 2048-class chunks
+    on 8 warps, the config the H200 picked timing every one (session 4)."""
+    from inductor_ext.ops._library import QUICK_FIRST_LAUNCH_CONFIGS
+
+    for v in (32000, 128256):
+        quick = search_space(v)[:QUICK_FIRST_LAUNCH_CONFIGS]
+        assert CrossEntropyConfig(False, 2048, 8) in quick, quick
 
 
 def test_vocab_262144():

@@ -1,0 +1,126 @@
+"""What our kernels cost to compile for sm_90 (H100/H200), and their registers and spills, on a CPU host.
+
+For each forward op call in a call file (the standalone autotuner's format,
+:mod:`inductor_ext.autotune.calls`) and its backward, records the Triton launches our ops make at
+those shapes without running anything (meta tensors), then compiles each launched kernel for
+``sm_90`` with the first ``--configs`` configs a launch would offer (the quick first launch's
+order), and prints compile seconds, registers per thread and spill bytes (``cuobjdump
+-res-usage`` on the cubin; Triton's wheel ships the CUDA tools, no GPU or driver is needed).
+
+    PYTHONPATH=$PWD python scripts/compile_cost.py CALLS.json [--configs 4] [--arch 90]
+
+Why: a compile with our kernels waits for them when Inductor loads the output module (H200,
+session 8: ~10 s of a warm-database decoder compile), and a spilling config is a slow config.
+Compile seconds here are this host's, single-threaded: compare kernels with each other. A call
+whose ops cannot run on fake CUDA tensors on a CPU-only torch build (fused linear cross-entropy,
+whose chunk slicing reaches the CUDA backend) is reported and skipped.
+"""
+
+import argparse
+import contextlib
+import re
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import create_function_from_signature
+
+import inductor_ext.ops._library as library
+from inductor_ext.autotune.calls import load_calls
+from inductor_ext.autotune.report import format_table
+from inductor_ext.inductor.choice import capture_backward_args
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+@contextlib.contextmanager
+def recorded_launches(sms: int) -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
+    """Within: the ops' direct launches record (kernel, args, kwargs) instead of launching, and the
+    GPU reports ``sms`` SMs. Run the ops on fake CUDA tensors (:func:`fake_cuda`): no GPU is needed,
+    and every device-dependent choice (grid sizes, block sizes) takes its CUDA branch."""
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append((kernel, args, kwargs))
+
+    saved = library._DIRECT, library.sm_count
+    library._DIRECT, library.sm_count = record, lambda device_index: sms
+    try:
+        yield calls
+    finally:
+        library._DIRECT, library.sm_count = saved
+
+
+def fake_cuda(args: tuple[Any, ...]) -> list[Any]:
+    """The call's meta tensors as fake CUDA tensors (call within a ``FakeTensorMode``)."""
+    return [torch.empty(a.shape, dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def compile_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: GPUTarget) -> dict[str, Any]:
+    """Compile ``fn`` (a JIT function) for ``target`` as a launch with these arguments would; time,
+    registers, spill bytes."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)  # Triton's own binder
+    bound, specialization, _ = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+    start = time.perf_counter()
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    seconds = time.perf_counter() - start
+    cubin = Path(triton.knobs.cache.dir) / f"{kernel.hash}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    cubin.unlink()
+    registers, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.DOTALL).groups()
+    return {"seconds": seconds, "registers": int(registers), "spill bytes": int(stack)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("calls", type=Path, help="call file (JSON, or YAML with PyYAML)")
+    parser.add_argument("--configs", type=int, default=1, help="configs per launch, in the order a launch offers them")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (sm_90)")
+    parser.add_argument("--sms", type=int, default=132, help="SM count the grids are sized for (H100/H200: 132)")
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="compile_cost_")  # compile, never load from a cache
+    rows, seen = [], set()
+    for call in load_calls(args.calls):
+        try:
+            with FakeTensorMode(), recorded_launches(args.sms) as launches:
+                capture_backward_args(call.family, fake_cuda(call.args))  # the forward, then the backward
+        except RuntimeError as error:  # e.g. fused linear CE's chunk slicing on a CPU-only torch build
+            print(f"{call}: skipped, its ops do not run on fake CUDA tensors here ({str(error).splitlines()[0]})")
+            continue
+        for kernel, kernel_args, kwargs in launches:
+            configs = (
+                library.candidate_configs(kernel, kernel_args, kwargs) if isinstance(kernel, Autotuner) else [None]
+            )
+            fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+            for config in configs[: args.configs]:
+                meta = {**kwargs, **(config.all_kwargs() if config is not None else {})}
+                key = (fn.__name__, repr(sorted(meta.items(), key=str)), tuple(map(type, kernel_args)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                shown = {k: v for k, v in meta.items() if k.isupper() or k == "num_warps"}
+                rows.append({"call": str(call), "kernel": fn.__name__, "config": shown,
+                             **compile_one(fn, kernel_args, meta, target)})  # fmt: skip
+                print(f"{fn.__name__:40s} {rows[-1]['seconds']:6.2f} s", flush=True)
+    columns = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
+    print(format_table([[f"{r[c]:.2f}" if c == "seconds" else str(r[c]) for c in columns] for r in rows], columns))
+    print(f"total {sum(r['seconds'] for r in rows):.1f} s for {len(rows)} compiles")
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # Triton's binder asks
+    main()
