@@ -1,14 +1,13 @@
-"""H200 check of LayerNorm's two-pass backward (branch ``layer-norm-two-pass-bwd``): fwd+bwd GPU time
+"""H200 check of LayerNorm's two-pass backward (``ops.layer_norm.TWO_PASS_BACKWARD_MIN_N``): fwd+bwd GPU time
 with the two-pass backward and with the one-kernel backward (persistent or looped, autotuned), side
 by side with ``torch.compile`` of the reference, each checked against float64.
 
     PYTHONPATH=$PWD python scripts/sweep_layer_norm_bwd.py [--shapes 4096x16384 2048x32768 8192x8192] [--out DIR]
 
-Prediction at 4096 x 16384 bf16: the two-pass backward moves 5 M N elements (dx pass: x, dy read,
-dx written; dw/db pass: x, dy read again) at about 85% of copy bandwidth, ~0.18 ms against the
-one-kernel backward's 0.256 ms (session 9), so fwd+bwd ~0.28 ms against torch.compile's 0.42
-(~1.5x; issue 4 asks 1.3x). The branch ``layer-norm-split-bwd`` measured 0.517 ms with every
-config timed (session 9): its second pass held too few bytes in flight.
+Session 10 (H200), fwd+bwd ms, torch.compile / one-kernel / two-pass: 4096 x 16384 0.418 / 0.356 /
+0.277 (predicted ~0.28); 2048 x 32768 0.478 / 0.649 / 0.398; 8192 x 8192 0.380 / 0.185 / 0.260, hence
+the threshold at 16384. The split backward of session 9 (small second-pass tiles) measured 0.517 ms
+at 4096 x 16384: too few bytes in flight.
 """
 
 # ruff: noqa: B023  (every closure here runs within the loop iteration that defines it)
