@@ -1,27 +1,93 @@
 """Where a fresh process's first decoder step (its compile) spends its time.
 
 Each provider compiles ``bench backend``'s 4-layer decoder in a fresh process with empty Inductor
-and Triton caches, its main thread under cProfile (which inflates Python-heavy stages about 2-3x;
-waits on Inductor's compile workers are not inflated); ``fastops_auto_warm_db`` reuses the tuning
-database ``fastops_auto``'s process filled. Each child prints ``torch._dynamo.utils.compile_times()``
-and writes ``OUT/prof_<provider>.pstats`` (read them with ``pstats`` anywhere).
+and Triton caches, while a sampling thread records every thread's Python stack every
+``--interval-ms`` (no tracing, so unlike cProfile nothing Python-heavy is inflated);
+``fastops_auto_warm_db`` reuses the tuning database ``fastops_auto``'s process filled. Each child
+prints its wall seconds, ``torch._dynamo.utils.compile_times()`` and the functions found on the
+most samples (inclusive, and as the innermost frame), and writes them to ``OUT/samples_<name>_threads_<setting>.txt``.
+``--compile-threads 1`` also runs every provider with Inductor compiling in the main process, so
+the samples show what its worker processes would otherwise spend.
 
-    PYTHONPATH=$PWD python scripts/profile_compile.py OUT [--providers torch_compile fastops_auto ...]
+    PYTHONPATH=$PWD python scripts/profile_compile.py OUT [--providers torch_compile fastops_kernel ...]
+        [--compile-threads 1] [--interval-ms 5] [--top 40]
 """
 
 import argparse
-import cProfile
+import collections
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Self
 
-PROVIDERS = ["torch_compile", "fastops_auto", "fastops_auto_warm_db", "fastops_inductor"]
+PROVIDERS = ["torch_compile", "fastops_auto", "fastops_auto_warm_db", "fastops_kernel", "fastops_inductor"]
 
 
-def child(name: str, out: Path) -> None:
+class StackSampler:
+    """Samples every other thread's stack every ``interval`` seconds and credits the seconds since
+    the previous sample to each function on each stack (``inclusive``) and to each innermost one
+    (``innermost``); keys are ``file:line(function)`` of the function's start. Every thread, since
+    the autograd engine compiles and runs the backward on its own device thread while the main
+    thread waits in ``_engine_run_backward``. (While a thread runs Python the sampler waits for the
+    GIL, so samples are sparser, but each carries its time.) Idle threads add their wait frames."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.inclusive: collections.Counter[str] = collections.Counter()
+        self.innermost: collections.Counter[str] = collections.Counter()
+        self.samples, self.seconds = 0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _key(frame: FrameType) -> str:
+        code = frame.f_code
+        return f"{'/'.join(Path(code.co_filename).parts[-2:])}:{code.co_firstlineno}({code.co_name})"
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        own = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            frames = sys._current_frames()
+            now = time.perf_counter()
+            elapsed, last = now - last, now
+            self.samples += 1
+            self.seconds += elapsed
+            for thread, frame in frames.items():
+                if thread == own:
+                    continue
+                self.innermost[self._key(frame)] += elapsed
+                seen = set()
+                while frame is not None:
+                    seen.add(self._key(frame))
+                    frame = frame.f_back
+                for key in seen:
+                    self.inclusive[key] += elapsed
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int) -> str:
+        header = f"{self.samples} samples over {self.seconds:.1f} s (every {self.interval * 1e3:g} ms or later)"
+        lines = [header + "; seconds are summed over threads, shares are of the wall time"]
+        for title, counter in (("inclusive", self.inclusive), ("innermost", self.innermost)):
+            lines.append(f"-- {title}: seconds (share), function")
+            for key, seconds in counter.most_common(top):
+                lines.append(f"{seconds:7.2f} s ({seconds / max(self.seconds, 1e-9):5.1%})  {key}")
+        return "\n".join(lines)
+
+
+def child(name: str, out: Path, interval: float, top: int) -> None:
     import torch
     from torch._dynamo.utils import compile_times
 
@@ -32,35 +98,44 @@ def child(name: str, out: Path) -> None:
     shape = argparse.Namespace(layers=4, batch=2, seq=2048, hidden=4096)
     model, params, x, dy = backend.decoder_step_inputs(shape)
     step = backend._step(backend._provider(name.removesuffix("_warm_db"), model), x, params, dy)
-    profile = cProfile.Profile()
     start = time.perf_counter()
-    profile.enable()
-    step()
-    torch.cuda.synchronize()
-    profile.disable()
-    print(f"== {name}: {time.perf_counter() - start:.1f} s (under cProfile)")
-    profile.dump_stats(out / f"prof_{name}.pstats")
-    print(compile_times(repr="str", aggregate=True))
+    with StackSampler(interval) as sampler:
+        step()
+        torch.cuda.synchronize()
+    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "default")
+    text = (
+        f"== {name} (compile threads: {threads}): {time.perf_counter() - start:.1f} s\n"
+        f"{compile_times(repr='str', aggregate=True)}\n{sampler.report(top)}"
+    )
+    print(text, flush=True)
+    (out / f"samples_{name}_threads_{threads}.txt").write_text(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
+    parser.add_argument("--compile-threads", type=int, help="also run each provider with this many compile threads")
+    parser.add_argument("--interval-ms", type=float, default=5.0)
+    parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(args.child, args.out)
+        child(args.child, args.out, args.interval_ms / 1e3, args.top)
         return
     from inductor_ext.bench.harness import fresh_cache_env
 
-    scratch, database = tempfile.mkdtemp(), tempfile.mkdtemp()
-    for name in args.providers:
-        env = fresh_cache_env(scratch, database if name.startswith("fastops_auto") else tempfile.mkdtemp())
-        subprocess.run(
-            [sys.executable, __file__, str(args.out), "--child", name], env={**os.environ, **env}, check=False
-        )
+    thread_settings = [{}] + (
+        [{"TORCHINDUCTOR_COMPILE_THREADS": str(args.compile_threads)}] if args.compile_threads else []
+    )
+    for threads in thread_settings:
+        scratch, database = tempfile.mkdtemp(), tempfile.mkdtemp()
+        for name in args.providers:
+            env = fresh_cache_env(scratch, database if name.startswith("fastops_auto") else tempfile.mkdtemp())
+            command = [sys.executable, __file__, str(args.out), "--child", name,
+                       "--interval-ms", str(args.interval_ms), "--top", str(args.top)]  # fmt: skip
+            subprocess.run(command, env={**os.environ, **env, **threads}, check=False)
 
 
 if __name__ == "__main__":

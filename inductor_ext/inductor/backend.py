@@ -22,7 +22,7 @@ import torch
 from torch._dynamo import register_backend
 
 from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.inductor import upstream_fixes
+from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
@@ -32,6 +32,7 @@ from inductor_ext.ops._library import route_ops
 BACKEND_NAME = "fastops_inductor"
 
 upstream_fixes.apply()
+kernel_analysis_cache.install()
 
 
 def fastops_inductor(

@@ -145,3 +145,52 @@ def test_second_process_loads_multi_kernels_from_the_fx_graph_cache(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         hits.append(int(run.stdout.split("HITS")[-1]))
     assert hits[0] == 0 and hits[1] >= 1, hits
+
+
+def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
+    """inductor/kernel_analysis_cache.py: a stack of LlamaRMSNorm + cross-entropy launches under the
+    kernel route, compiled once with the memo and once with torch's own analysis (caches off, so
+    both trace): torch's functionalization gets the same written tensors for every launch, the memo
+    answered the repeated launches, and the results agree."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    norms = [_llama_norm(2048) for _ in range(3)]
+    x = torch.randn(4, 256, 2048, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, 2048, (4 * 256,), device="cuda")
+
+    def model(x):
+        for norm in norms:
+            x = norm(x)
+        return torch.nn.functional.cross_entropy(x.reshape(-1, 2048).float(), labels)
+
+    (name,) = [
+        n
+        for n in ("identify_accessed_tensors", "identify_mutated_tensors")
+        if getattr(getattr(triton_kernel_wrap, n, None), "memoized_by_inductor_ext", False)
+    ]
+    memo = getattr(triton_kernel_wrap, name)
+    recorded = []
+    original_get_mutated = triton_kernel_wrap.get_mutated_tensors
+
+    def recording(*args, **kwargs):
+        recorded[-1].append(sorted(original_get_mutated(*args, **kwargs)))
+        return recorded[-1][-1]
+
+    monkeypatch.setattr(triton_kernel_wrap, "get_mutated_tensors", recording)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    results = []
+    for analysis in (memo, memo.__wrapped__):
+        monkeypatch.setattr(triton_kernel_wrap, name, analysis)
+        torch._dynamo.reset()
+        recorded.append([])
+        hits_before = memo.hits
+        xi = x.detach().requires_grad_()
+        compiled = torch.compile(model, backend="fastops_inductor", options={"fastops.route": "kernel"})
+        loss = compiled(xi)
+        (dx,) = torch.autograd.grad(loss, (xi,))
+        results.append((loss, dx))
+        if analysis is memo:
+            assert memo.hits > hits_before
+    assert recorded[0] and recorded[0] == recorded[1]
+    # each compile tunes the kernels' configs anew, so the picks (and reduction orders) may differ
+    assert rel_err(results[0][0], results[1][0]) < 1e-3 and rel_err(results[0][1], results[1][1]) < 1e-2

@@ -1,0 +1,105 @@
+"""Memoize torch's analysis of which tensors a user-defined Triton kernel reads and writes.
+
+Tracing a ``wrap_triton`` launch (our kernel route) asks
+``torch._higher_order_ops.triton_kernel_wrap`` which of the kernel's tensor arguments it writes
+(``identify_accessed_tensors`` in torch 2.13, ``identify_mutated_tensors`` in 2.11). Each answer
+lowers the kernel to TTIR with Triton's front end and walks it, and nothing is cached: the
+functionalization of every launch asks (once while AOTAutograd collects metadata, again while it
+traces the joint graph) and Inductor asks again for every kernel it lowers. A decoder repeats
+the same launches layer after layer; on the H200 (session 10, ``scripts/profile_compile.py``, a
+4-layer decoder under the kernel route) these analyses took 3.9 s of a 25 s compile, on the
+compiling thread.
+
+The answer depends only on the kernel's source and on what the TTIR is specialised on:
+``generate_ttir`` stands a 2-element tensor of the same dtype in for each fake tensor or Inductor
+``TensorBox``, the integer 2 for each symbolic value, and the first config's meta-parameters for
+an autotuner; every other argument (ints, floats, bools, strings, None) is passed as it is. So
+the memo key is the ``JITFunction``, those dtypes, the symbolic markers and the plain values.
+A launch with anything else (a real tensor, a TMA descriptor, an unfamiliar type) is analysed
+as before, uncached. Each caller gets its own deep copy of the answer.
+
+Installed when the backend is imported; ``INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS=0`` leaves torch's
+function alone (for A/B timing).
+"""
+
+import copy
+import functools
+import os
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import torch
+
+ANALYSIS_FUNCTIONS = ("identify_accessed_tensors", "identify_mutated_tensors")
+"""torch's per-launch analysis, by the name it has in torch 2.13 and in torch 2.11 (same arguments:
+kernel, kwargs, tma_descriptor_metadata)."""
+
+_PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype)
+
+
+def analysis_key(kernel: Any, kwargs: Mapping[str, Any], tma_descriptor_metadata: Any) -> Hashable | None:
+    """What the analysis of this launch depends on, or None when the launch is not cacheable."""
+    import sympy
+    from torch._inductor.ir import TensorBox
+    from torch._subclasses.fake_tensor import FakeTensor
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    if tma_descriptor_metadata:
+        return None
+    meta: Mapping[str, Any] = {}
+    if isinstance(kernel, Autotuner):
+        meta = kernel.configs[0].kwargs if kernel.configs else {}
+        kernel = kernel.fn
+    if not isinstance(kernel, JITFunction):
+        return None
+    items = []
+    for name, value in sorted({**kwargs, **meta}.items()):
+        if isinstance(value, FakeTensor):
+            token: tuple[Any, ...] = ("tensor", value.dtype)
+        elif isinstance(value, TensorBox):
+            token = ("tensor", value.get_dtype())
+        elif isinstance(value, torch.Tensor):  # a real tensor: Triton specialises on its address
+            return None
+        elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            token = ("symbolic",)
+        elif isinstance(value, _PLAIN_TYPES):
+            token = (type(value).__name__, value)
+        else:
+            return None
+        items.append((name, token))
+    return kernel, tuple(items)
+
+
+def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
+    """``analysis(kernel, kwargs, tma_descriptor_metadata)`` answered once per :func:`analysis_key`."""
+    answers: dict[Hashable, Any] = {}
+
+    @functools.wraps(analysis)
+    def wrapped(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any, *args: Any, **kw: Any) -> Any:
+        key = analysis_key(kernel, kwargs, tma_descriptor_metadata) if not (args or kw) else None
+        if key is None:
+            return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+        if key in answers:
+            wrapped.hits += 1  # type: ignore[attr-defined]
+        else:
+            answers[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+        return copy.deepcopy(answers[key])
+
+    wrapped.memoized_by_inductor_ext = True  # type: ignore[attr-defined]
+    wrapped.answers = answers  # type: ignore[attr-defined]
+    wrapped.hits = 0  # type: ignore[attr-defined]
+    return wrapped
+
+
+def install(env: Mapping[str, str] = os.environ) -> None:
+    """Memoize whichever of :data:`ANALYSIS_FUNCTIONS` this torch has (callers import it at call
+    time, so replacing the module attribute reaches them), unless the environment turns it off."""
+    if env.get("INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", "1") == "0":
+        return
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    for name in ANALYSIS_FUNCTIONS:
+        analysis = getattr(triton_kernel_wrap, name, None)
+        if analysis is not None and not getattr(analysis, "memoized_by_inductor_ext", False):
+            setattr(triton_kernel_wrap, name, memoized(analysis))
