@@ -22,6 +22,7 @@ Installed when the backend is imported; ``INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS=0``
 function alone (for A/B timing).
 """
 
+import collections
 import copy
 import functools
 import os
@@ -35,6 +36,10 @@ ANALYSIS_FUNCTIONS = ("identify_accessed_tensors", "identify_mutated_tensors")
 kernel, kwargs, tma_descriptor_metadata)."""
 
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype)
+
+MAX_ANSWERS = 4096
+"""Answers kept, least recently used dropped first: a program that builds kernels on the fly
+(each a new ``JITFunction``) must not grow the memo, and the keys it holds, without bound."""
 
 
 def analysis_key(kernel: Any, kwargs: Mapping[str, Any], tma_descriptor_metadata: Any) -> Hashable | None:
@@ -73,7 +78,7 @@ def analysis_key(kernel: Any, kwargs: Mapping[str, Any], tma_descriptor_metadata
 
 def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
     """``analysis(kernel, kwargs, tma_descriptor_metadata)`` answered once per :func:`analysis_key`."""
-    answers: dict[Hashable, Any] = {}
+    answers: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     @functools.wraps(analysis)
     def wrapped(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any, *args: Any, **kw: Any) -> Any:
@@ -82,8 +87,11 @@ def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
             return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         if key in answers:
             wrapped.hits += 1  # type: ignore[attr-defined]
+            answers.move_to_end(key)
         else:
             answers[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+            if len(answers) > MAX_ANSWERS:
+                answers.popitem(last=False)
         return copy.deepcopy(answers[key])
 
     wrapped.memoized_by_inductor_ext = True  # type: ignore[attr-defined]

@@ -137,3 +137,18 @@ def test_the_environment_can_leave_torch_alone(monkeypatch):
     )
     kernel_analysis_cache.install({})
     assert any(getattr(getattr(triton_kernel_wrap, name, None), "memoized_by_inductor_ext", False) for name in original)
+
+
+def test_the_least_recently_used_answer_goes_first(counted, fake, monkeypatch):
+    monkeypatch.setattr(kernel_analysis_cache, "MAX_ANSWERS", 2)
+    memo, calls = counted
+    base = launch(fake["f32"], fake["f32"])
+    for n in (1, 2):  # two entries
+        memo(copy_if_kernel, {**base, "N": n}, {})
+    memo(copy_if_kernel, {**base, "N": 1}, {})  # N=1 is now the most recent
+    memo(copy_if_kernel, {**base, "N": 3}, {})  # a third: N=2 goes
+    assert len(memo.answers) == 2 and len(calls) == 3
+    memo(copy_if_kernel, {**base, "N": 1}, {})
+    assert len(calls) == 3
+    memo(copy_if_kernel, {**base, "N": 2}, {})
+    assert len(calls) == 4
