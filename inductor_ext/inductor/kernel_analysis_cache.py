@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from inductor_ext.inductor.options import env_flag
+
 ANALYSIS_FUNCTIONS = ("identify_accessed_tensors", "identify_mutated_tensors")
 """torch's per-launch analysis, by the name it has in torch 2.13 and in torch 2.11 (same arguments:
 kernel, kwargs, tma_descriptor_metadata)."""
@@ -103,7 +105,7 @@ def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
 def install(env: Mapping[str, str] = os.environ) -> None:
     """Memoize whichever of :data:`ANALYSIS_FUNCTIONS` this torch has (callers import it at call
     time, so replacing the module attribute reaches them), unless the environment turns it off."""
-    if env.get("INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", "1") == "0":
+    if not env_flag(env, "INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", True):
         return
     from torch._higher_order_ops import triton_kernel_wrap
 
@@ -111,3 +113,14 @@ def install(env: Mapping[str, str] = os.environ) -> None:
         analysis = getattr(triton_kernel_wrap, name, None)
         if analysis is not None and not getattr(analysis, "memoized_by_inductor_ext", False):
             setattr(triton_kernel_wrap, name, memoized(analysis))
+
+
+def installed_memo() -> tuple[str, Callable[..., Any]] | None:
+    """(name, memo) of the analysis function torch now calls through :func:`memoized`, or None."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    for name in ANALYSIS_FUNCTIONS:
+        analysis = getattr(triton_kernel_wrap, name, None)
+        if getattr(analysis, "memoized_by_inductor_ext", False):
+            return name, analysis
+    return None

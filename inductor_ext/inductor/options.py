@@ -84,9 +84,9 @@ def parse_options(
     else:
         multi_kernel = int(env["INDUCTOR_EXT_MULTI_KERNEL"]) if "INDUCTOR_EXT_MULTI_KERNEL" in env else default_multi_kernel
 
-    patterns = ours.get("patterns", _env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
+    patterns = ours.get("patterns", env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
     # a process-wide torch._inductor.config.cpp_wrapper counts too (it needs compile-time autotuning as well)
-    cpp_wrapper = bool(options.pop("cpp_wrapper", _env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper)))
+    cpp_wrapper = bool(options.pop("cpp_wrapper", env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper)))
     parsed = BackendOptions(default_route, routes, multi_kernel, bool(patterns), cpp_wrapper)
     return parsed, options
 
@@ -114,7 +114,8 @@ def _split_env_route(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (0/1/true/false/yes/no/on/off), ``default`` when unset."""
     value = env.get(name)
     if value is None:
         return default

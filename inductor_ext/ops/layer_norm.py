@@ -84,7 +84,7 @@ def layer_norm_fwd_kernels(
 
 
 TWO_PASS_BACKWARD_MIN_N = 16384
-"""Rows at least this long take the two-pass backward (:func:`_two_pass_bwd`): there the one-kernel
+"""Rows at least this long take the two-pass backward (:func:`_param_grad_partials`): there the one-kernel
 backward's whole-row dw/db accumulators spill (ptxas, sm_90, session 7: 832 bytes per thread at
 N = 16384) and it ran at 35% of its copy floor on the H200 (4096 x 16384: 256 us). Measured on
 the H200 (session 10, ``scripts/sweep_layer_norm_bwd.py``, fwd+bwd ms, two-pass / one-kernel /
@@ -102,8 +102,7 @@ def layer_norm_bwd_kernels(
     two_pass = N >= TWO_PASS_BACKWARD_MIN_N
     programs = grid_stride_programs(x.device, programs_per_sm(N))  # also the dw/db partial rows
     partial_rows = 0 if two_pass else programs
-    dw_partial = x.new_empty((partial_rows, N) if weight is not None else (0,), dtype=torch.float32)
-    db_partial = x.new_empty((partial_rows, N) if bias is not None else (0,), dtype=torch.float32)
+    dw_partial, db_partial = _partials(x, partial_rows, weight), _partials(x, partial_rows, bias)
     launch(
         layer_norm_bwd_kernel,
         lambda meta: (programs,),
@@ -115,6 +114,11 @@ def layer_norm_bwd_kernels(
     return dx, sum_partial_rows(launch, dw_partial, weight), sum_partial_rows(launch, db_partial, bias)
 
 
+def _partials(x: Tensor, rows: int, param: Tensor | None) -> Tensor:
+    """fp32 ``(rows, N)`` partial sums of ``param``'s gradient, or an empty placeholder without ``param``."""
+    return x.new_empty((rows, x.shape[1]) if param is not None else (0,), dtype=torch.float32)
+
+
 def _param_grad_partials(
     launch: Launch, dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -123,8 +127,7 @@ def _param_grad_partials(
     About 4 programs per SM at 256-column tiles (twice that at 128), each group at least 16 rows."""
     M, N = x.shape
     groups = max(1, min(triton.cdiv(M, 16), grid_stride_programs(x.device, 4) // triton.cdiv(N, 256)))
-    dw_partial = x.new_empty((groups, N) if weight is not None else (0,), dtype=torch.float32)
-    db_partial = x.new_empty((groups, N) if bias is not None else (0,), dtype=torch.float32)
+    dw_partial, db_partial = _partials(x, groups, weight), _partials(x, groups, bias)
     if weight is not None or bias is not None:
         launch(
             layer_norm_bwd_param_grads_kernel,

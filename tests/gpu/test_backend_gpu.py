@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401
-from inductor_ext.inductor import choice
+from inductor_ext.inductor import choice, kernel_analysis_cache
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -163,12 +163,7 @@ def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
             x = norm(x)
         return torch.nn.functional.cross_entropy(x.reshape(-1, 2048).float(), labels)
 
-    (name,) = [
-        n
-        for n in ("identify_accessed_tensors", "identify_mutated_tensors")
-        if getattr(getattr(triton_kernel_wrap, n, None), "memoized_by_inductor_ext", False)
-    ]
-    memo = getattr(triton_kernel_wrap, name)
+    name, memo = kernel_analysis_cache.installed_memo()
     recorded = []
     original_get_mutated = triton_kernel_wrap.get_mutated_tensors
 

@@ -127,16 +127,12 @@ def test_each_caller_gets_its_own_copy(counted, fake):
 def test_the_environment_can_leave_torch_alone(monkeypatch):
     from torch._higher_order_ops import triton_kernel_wrap
 
-    original = {name: getattr(triton_kernel_wrap, name, None) for name in kernel_analysis_cache.ANALYSIS_FUNCTIONS}
-    for name, fn in original.items():
-        if fn is not None:
-            monkeypatch.setattr(triton_kernel_wrap, name, fn.__wrapped__)
+    name, memo = kernel_analysis_cache.installed_memo()
+    monkeypatch.setattr(triton_kernel_wrap, name, memo.__wrapped__)
     kernel_analysis_cache.install({"INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS": "0"})
-    assert not any(
-        getattr(getattr(triton_kernel_wrap, name, None), "memoized_by_inductor_ext", False) for name in original
-    )
+    assert kernel_analysis_cache.installed_memo() is None
     kernel_analysis_cache.install({})
-    assert any(getattr(getattr(triton_kernel_wrap, name, None), "memoized_by_inductor_ext", False) for name in original)
+    assert kernel_analysis_cache.installed_memo() is not None
 
 
 def test_the_least_recently_used_answer_goes_first(counted, fake, monkeypatch):
