@@ -414,6 +414,25 @@ def _glu(node: Node) -> Node | None:
 # ---------------------------------------------------------------- cross-entropy
 
 
+def _before_upcast(logits: Node) -> Node:
+    """The 16-bit logits an fp32 upcast was taken of, in ``logits``' shape, or ``logits`` itself.
+
+    Two spellings: ``x.float()`` and ``x.float().view(-1, V)`` (HF ``ForCausalLMLoss`` upcasts,
+    then flattens). For the second, ``x.reshape(-1, V)`` is inserted at the current insertion point:
+    a view of ``x`` wherever the upcast's view was one (the upcast keeps ``x``'s strides)."""
+    reshaped = _is_call(logits, (torch.reshape,), ("view", "reshape")) and not logits.kwargs
+    inner = logits.args[0] if reshaped else logits
+    cast = _dtype_cast(inner)
+    if cast is None or cast[1] != torch.float32 or _value(cast[0]).dtype not in _SUPPORTED_FLOATS:
+        return logits
+    if not reshaped:
+        return cast[0]
+    shape = logits.args[1:]
+    if any(isinstance(a, torch.dtype) for a in shape):  # view(dtype) reinterprets bits: not a reshape
+        return logits
+    return _with_value(logits.graph.call_method("reshape", (cast[0], *shape)))
+
+
 @register_rewrite("cross_entropy")
 def _cross_entropy(node: Node) -> Node | None:
     """``F.cross_entropy(logits (N, V), labels (N,), ...)`` without class weights (HF ``ForCausalLMLoss``
@@ -436,12 +455,10 @@ def _cross_entropy(node: Node) -> Node | None:
         return None
     if not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool):
         return None
-    upcast = _dtype_cast(logits)
-    if upcast is not None and upcast[1] == torch.float32 and _value(upcast[0]).dtype in _SUPPORTED_FLOATS:
-        logits = upcast[0]  # the op reads 16-bit logits and computes in fp32
     args = (int(ignore_index), float(smoothing), 0.0, 0.0, reduction)
     graph: Graph = node.graph
     with graph.inserting_before(node):
+        logits = _before_upcast(logits)  # the op reads 16-bit logits and computes in fp32
         rows = logits if _value(logits).stride(-1) == 1 else _with_value(graph.call_method("contiguous", (logits,)))
         result = _with_value(graph.call_function(cross_entropy_family.fwd, (rows, labels, *args)))
         loss = _with_value(graph.call_function(operator.getitem, (result, 0)))

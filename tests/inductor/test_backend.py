@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
@@ -384,6 +385,43 @@ def test_cross_entropy_is_rewritten_with_ignored_labels(reduction, dtype):
     assert rel_err(loss, loss_ref) < 1e-5
     assert rel_err(grad, grad_ref) < OUTPUT[dtype]
     assert grad[0, :3].abs().max() == 0  # ignored rows get no gradient
+
+
+class _UpcastLoss(torch.nn.Module):
+    def __init__(self, flatten):
+        super().__init__()
+        self.flatten = flatten
+
+    def forward(self, logits, labels):
+        return torch.nn.functional.cross_entropy(self.flatten(logits.float()), labels.view(-1))
+
+
+@pytest.mark.parametrize(
+    ("flatten", "shape"),
+    [
+        (lambda z: z, (6, 50)),
+        (lambda z: z.view(-1, z.shape[-1]), (2, 3, 50)),  # HF ForCausalLMLoss: upcast, then flatten
+        (lambda z: z.reshape(-1, z.shape[-1]), (2, 3, 50)),
+        (lambda z: torch.reshape(z, (-1, z.shape[-1])), (2, 3, 50)),
+    ],
+    ids=["2d", "view", "reshape", "torch.reshape"],
+)
+def test_cross_entropy_reads_16_bit_logits_through_the_upcast_and_flatten(flatten, shape):
+    """The op reads the bf16 logits (a flatten of them), never an fp32 copy: the upcast would read
+    the logits, write twice their bytes, and double what the op reads and writes."""
+    logits = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    labels = torch.empty(shape[:-1], dtype=torch.int64, device="meta")
+    (call,) = trace_calls(_UpcastLoss(flatten), (logits, labels), {})
+    assert call.op == "fastops::cross_entropy_fwd"
+    assert call.args[0].dtype == torch.bfloat16 and tuple(call.args[0].shape) == (6, 50)
+
+
+def test_bit_reinterpreting_view_is_not_taken_for_a_flatten():
+    """``z.view(dtype)`` after the upcast is no reshape: the op gets the fp32 tensor it names."""
+    logits = torch.empty(6, 50, dtype=torch.bfloat16, device="meta")
+    labels = torch.empty(6, dtype=torch.int64, device="meta")
+    (call,) = trace_calls(_UpcastLoss(lambda z: z.view(torch.float32)), (logits, labels), {})
+    assert call.args[0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
