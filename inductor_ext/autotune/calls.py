@@ -10,7 +10,9 @@ each backward is tuned with its forward::
              -100, 0.0, 0.0, 0.0, mean]
 
 ``args`` follow the op's schema (``torch.ops.fastops.<op>.default._schema``): a tensor
-is ``{shape, dtype}``, an optional tensor may be ``null``, scalars are written as
+is ``{shape, dtype}`` (row-major) or ``{shape, dtype, stride}`` (another layout, e.g. HF's
+q and k, transposed views of (B, S, H, D): ``{shape: [1, 32, 2048, 128], dtype: bfloat16,
+stride: [8388608, 128, 4096, 1]}``), an optional tensor may be ``null``, scalars are written as
 themselves (a float may be a string, since YAML 1.1 reads ``1e-6`` as one).
 """
 
@@ -130,17 +132,27 @@ def _parse_argument(schema_type: str, value: Any, where: str) -> Any:
     return float(value) if isinstance(value, (int, float)) and schema_type == "float" else value
 
 
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
+
+
 def _parse_tensor(value: Any, where: str) -> torch.Tensor:
-    if not isinstance(value, dict) or set(value) != {"shape", "dtype"}:
-        raise ValueError(f"{where}: expected a tensor {{shape: [...], dtype: ...}}, got {value!r}")
+    """``{shape, dtype}``, or ``{shape, dtype, stride}`` for a tensor that is not row-major."""
+    if not isinstance(value, dict) or not {"shape", "dtype"} <= set(value) <= {"shape", "dtype", "stride"}:
+        raise ValueError(f"{where}: expected a tensor {{shape: [...], dtype: ...[, stride: [...]]}}, got {value!r}")
     shape = value["shape"]
-    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    if not _int_list(shape):
         raise ValueError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+    stride = value.get("stride")
+    if stride is not None and not (_int_list(stride) and len(stride) == len(shape)):
+        raise ValueError(f"{where}: stride must be a list of {len(shape)} non-negative ints (one per dim), got {stride!r}")
     try:
         dtype = parse_dtype(value["dtype"])
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
-    return torch.empty(shape, dtype=dtype, device="meta")
+    if stride is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
 def parse_dtype(name: Any) -> torch.dtype:

@@ -6,7 +6,7 @@ row gather the same logit, positions all zero make every token read one table ro
 argument is filled by what it *means*, read from the op's schema:
 
 * floating point: ``randn`` (unit scale: the scale of normalised activations, logits
-  and their gradients);
+  and their gradients), in the argument's own strides (a transposed view stays one);
 * bool: fair coin flips;
 * integer: by the argument's **name** in the schema, through :data:`INDEX_ARGUMENTS`:
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from inductor_ext.autotune.timing import size_hint
+from inductor_ext.autotune.timing import is_row_major, size_hint
 
 IGNORED_FRACTION = 0.1
 """Fraction of labels set to ``ignore_index``."""
@@ -81,12 +81,18 @@ def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, 
     if not isinstance(value, torch.Tensor):
         return value
     hints = [size_hint(s) for s in value.shape]
-    shape = [s for s in hints if s is not None]
-    if len(shape) != len(hints):
+    stride_hints = [size_hint(s) for s in value.stride()]
+    shape, stride = [s for s in hints if s is not None], [s for s in stride_hints if s is not None]
+    if len(shape) != len(hints) or len(stride) != len(stride_hints):
         raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}")
     target = torch.device(device) if device is not None else value.device
     if value.dtype.is_floating_point:
-        return torch.randn(shape, dtype=value.dtype, device=target)
+        if is_row_major(shape, stride):
+            return torch.randn(shape, dtype=value.dtype, device=target)
+        # the argument's own layout (a transposed view, a broadcast table): one random storage
+        # spanning every element the strides reach, viewed with them
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        return torch.randn(span, dtype=value.dtype, device=target).as_strided(shape, stride)
     if value.dtype == torch.bool:
         return torch.rand(shape, device=target) < 0.5
     rule = INDEX_ARGUMENTS.get(name)

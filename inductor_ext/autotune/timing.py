@@ -5,7 +5,7 @@ import functools
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,21 +20,42 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
-def meta_like(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor of ``t``'s shape (hints for symbolic sizes) and dtype: shapes without storage."""
-    hints = [size_hint(s) for s in t.shape]
-    if None in hints:
+def _layout(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shape, strides) of ``t`` as ints (hints for symbolic ones); ValueError when one is unbacked."""
+    shape, stride = [size_hint(s) for s in t.shape], [size_hint(s) for s in t.stride()]
+    if None in shape or None in stride:
         raise ValueError(f"cannot tune a tensor of data-dependent shape {tuple(t.shape)}")
-    return torch.empty([int(s) for s in hints if s is not None], dtype=t.dtype, device="meta")
+    return cast(list[int], shape), cast(list[int], stride)
+
+
+def is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is the contiguous (row-major) stride of ``shape`` (dims of size 1 ignored, as
+    ``torch.Tensor.is_contiguous`` does)."""
+    expected = 1
+    for size, step in reversed(list(zip(shape, stride))):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, strides (hints for symbolic ones) and dtype: the layout
+    without storage. Strides matter: a kernel may pick another grid for another layout (RoPE on
+    HF's transposed q and k), so timing and launch-config records must see the layout the model has."""
+    shape, stride = _layout(t)
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
 
 
 def meta_templates(args: Sequence[Any]) -> list[Any]:
-    """``args`` with every tensor replaced by :func:`meta_like` (shapes and dtypes, no storage)."""
+    """``args`` with every tensor replaced by :func:`meta_like` (layouts and dtypes, no storage)."""
     return [meta_like(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def signature(args: Sequence[Any]) -> str:
-    """A stable text key of an op call: dtypes and shapes of tensors (hints for symbolic sizes), other values."""
+    """A stable text key of an op call: dtypes and shapes of tensors (hints for symbolic sizes), other
+    values. Strides are left out: a backward's arguments may be laid out differently in a compiled
+    graph than in the eager run its route was timed from, and the key must still find the decision."""
     parts = []
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -27,6 +27,7 @@ from inductor_ext.autotune.calls import load_calls
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.inputs import IGNORED_FRACTION, random_inputs
 from inductor_ext.autotune.timing import signature
+from inductor_ext.autotune.trace import calls_from_entry
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.cross_entropy import cross_entropy_family
@@ -228,6 +229,9 @@ MALFORMED_CALLS = {
                       "argument 'eps': expected float"),
     "entry_1": (json.dumps([{"op": "rms_norm_fwd", "args": _RMS_OK}, {"op": "glu_fwd", "args": [1, 2, 3]}]),
                 "entry 1, argument 'gate'"),
+    "bad_stride": (json.dumps([{"op": "rms_norm_fwd", "args": [{"shape": [4, 8], "dtype": "float32", "stride": [1]},
+                                                                *_RMS_OK[1:]]}]),
+                   "argument 'x': stride must be a list of 2 non-negative ints"),
 }  # fmt: skip
 
 
@@ -318,6 +322,34 @@ def test_random_labels_and_positions_are_realistic():
     pos = args[4]
     assert pos.dtype == torch.int32 and pos.min() >= 0 and pos.max() < 50 and pos.any()
     assert ((pos.diff(dim=-1) == 1) | (pos.diff(dim=-1) == -49)).all()  # consecutive, wrapped into the table
+
+
+def test_random_inputs_keep_the_layout_of_the_call():
+    """HF's q and k are transposed views of (B, S, H, D): RoPE picks its grid (and Triton its
+    autotune key) by that layout, so timing contiguous copies timed another launch, whose config
+    record a compile then did not find (H200, session 11: _rope_kernel benchmarked in a warm compile)."""
+    (rope_call,) = [c for c in calls_from_entry("inductor_ext.bench.autotune:block", grad=False) if c.op == "fastops::rope_fwd"]
+    q_template = rope_call.args[0]
+    assert q_template.device.type == "meta" and not q_template.is_contiguous()
+    made = random_inputs(rope_family.fwd, rope_call.args, "cpu")
+    for template, tensor in zip(rope_call.args[:4], made[:4]):  # (a stride of a size-1 dim is never used)
+        assert tensor.shape == template.shape
+        assert [st for n, st in zip(tensor.shape, tensor.stride()) if n > 1] == [
+            st for n, st in zip(template.shape, template.stride()) if n > 1
+        ]
+    assert made[0].std() > 0.5
+    broadcast = torch.empty(1, 4, 16, device="meta").expand(3, 4, 16)  # stride 0: one table row shared
+    (table,) = random_inputs(torch.ops.aten.neg.default, (broadcast,), "cpu")
+    assert table.stride() == (0, 16, 1) and table.std() > 0.5
+
+
+def test_call_file_tensor_may_give_its_strides(tmp_path):
+    path = tmp_path / "calls.json"
+    q = {"shape": [1, 4, 6, 8], "dtype": "bfloat16", "stride": [192, 8, 32, 1]}
+    cos = {"shape": [1, 6, 8], "dtype": "bfloat16"}
+    path.write_text(json.dumps([{"op": "rope_fwd", "args": [q, q, cos, cos, None, 1]}]))
+    (call,) = load_calls(path)
+    assert call.args[0].stride() == (192, 8, 32, 1) and call.args[2].is_contiguous()
 
 
 def test_random_inputs_refuse_unknown_integer_arguments():
