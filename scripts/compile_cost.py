@@ -7,7 +7,10 @@ those shapes without running anything (meta tensors), then compiles each launche
 order), and prints compile seconds, registers per thread and spill bytes (``cuobjdump
 -res-usage`` on the cubin; Triton's wheel ships the CUDA tools, no GPU or driver is needed).
 
-    PYTHONPATH=$PWD python scripts/compile_cost.py CALLS.json [--configs 4] [--arch 90]
+    PYTHONPATH=$PWD python scripts/compile_cost.py CALLS.json [--configs 4] [--arch 90] [--stage ttir]
+
+``--configs 0`` takes every config; ``--stage ttir`` runs only Triton's frontend (Python to TTIR),
+whose type checks reject code the interpreter runs (CI runs it on every config of every op).
 
 Why: a compile with our kernels waits for them when Inductor loads the output module (H200,
 session 8: ~10 s of a warm-database decoder compile), and a spilling config is a slow config.
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
@@ -40,6 +44,7 @@ from inductor_ext.autotune.calls import load_calls
 from inductor_ext.autotune.report import format_table
 from inductor_ext.inductor.choice import capture_backward_args
 
+COLUMNS = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -66,15 +71,21 @@ def fake_cuda(args: tuple[Any, ...]) -> list[Any]:
     return [torch.empty(a.shape, dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def _source(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any) -> tuple[ASTSource, Any]:
+    """What ``fn`` (a JIT function) launched with these arguments would compile, bound by Triton's
+    own binder: (its source, the parsed backend options)."""
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
 def compile_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: GPUTarget) -> dict[str, Any]:
     """Compile ``fn`` (a JIT function) for ``target`` as a launch with these arguments would; time,
     registers, spill bytes."""
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)  # Triton's own binder
-    bound, specialization, _ = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+    source, options = _source(fn, args, kwargs, make_backend(target))
     start = time.perf_counter()
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    kernel = triton.compile(source, target=target, options=options.__dict__)
     seconds = time.perf_counter() - start
     cubin = Path(triton.knobs.cache.dir) / f"{kernel.hash}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
@@ -84,15 +95,38 @@ def compile_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: 
     return {"seconds": seconds, "registers": int(registers), "spill bytes": int(stack)}
 
 
+def lower_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: GPUTarget) -> dict[str, Any]:
+    """Run only Triton's frontend on ``fn`` as a launch with these arguments would (Python to TTIR):
+    its type checks (a loop-carried variable changing dtype, a bad cast) reject code that
+    ``TRITON_INTERPRET=1`` runs. A fraction of a full compile's time."""
+    backend = make_backend(target)
+    source, options = _source(fn, args, kwargs, backend)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    start = time.perf_counter()
+    source.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    return {"seconds": time.perf_counter() - start}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("calls", type=Path, help="call file (JSON, or YAML with PyYAML)")
-    parser.add_argument("--configs", type=int, default=1, help="configs per launch, in the order a launch offers them")
+    parser.add_argument(
+        "--configs", type=int, default=1, help="configs per launch, in the order a launch offers them (0: every one)"
+    )
+    parser.add_argument(
+        "--stage",
+        choices=("sass", "ttir"),
+        default="sass",
+        help="sass: compile to a cubin (registers, spills); ttir: Triton's frontend only",
+    )
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (sm_90)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the grids are sized for (H100/H200: 132)")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     triton.knobs.cache.dir = tempfile.mkdtemp(prefix="compile_cost_")  # compile, never load from a cache
+    build, columns = (compile_one, COLUMNS) if args.stage == "sass" else (lower_one, COLUMNS[:4])
     rows, seen = [], set()
     for call in load_calls(args.calls):
         try:
@@ -106,19 +140,20 @@ def main() -> None:
                 library.candidate_configs(kernel, kernel_args, kwargs) if isinstance(kernel, Autotuner) else [None]
             )
             fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-            for config in configs[: args.configs]:
+            for config in configs[: args.configs or None]:
                 meta = {**kwargs, **(config.all_kwargs() if config is not None else {})}
-                key = (fn.__name__, repr(sorted(meta.items(), key=str)), tuple(map(type, kernel_args)))
+                types = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in kernel_args)
+                key = (fn.__name__, repr(sorted(meta.items(), key=str)), types)
                 if key in seen:
                     continue
                 seen.add(key)
                 shown = {k: v for k, v in meta.items() if k.isupper() or k == "num_warps"}
                 rows.append({"call": str(call), "kernel": fn.__name__, "config": shown,
-                             **compile_one(fn, kernel_args, meta, target)})  # fmt: skip
+                             **build(fn, kernel_args, meta, target)})  # fmt: skip
                 print(f"{fn.__name__:40s} {rows[-1]['seconds']:6.2f} s", flush=True)
-    columns = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
     print(format_table([[f"{r[c]:.2f}" if c == "seconds" else str(r[c]) for c in columns] for r in rows], columns))
-    print(f"total {sum(r['seconds'] for r in rows):.1f} s for {len(rows)} compiles")
+    what = "compiles" if args.stage == "sass" else "frontend runs"
+    print(f"total {sum(r['seconds'] for r in rows):.1f} s for {len(rows)} {what}")
 
 
 if __name__ == "__main__":
