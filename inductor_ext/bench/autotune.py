@@ -232,7 +232,7 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
     rows = []
     for call in calls:
         device = torch.device("cuda")
-        for op, templates, direct in choice.call_directions(call.family, call.args, device):
+        for op, templates, direct, _math in choice.call_directions(call.family, call.args, device):
             with record_autotuned_launches() as launches:
                 direct(*random_inputs(op, templates, device))
             kernels = {kernel: (kernel_args, kwargs) for kernel, kernel_args, kwargs in launches}

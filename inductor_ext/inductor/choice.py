@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch._dynamo.utils import counters
@@ -33,6 +33,8 @@ from inductor_ext.ops._library import (
     DECOMPOSITIONS,
     FAMILIES,
     FAMILY_OF,
+    IN_PLACE_TIMING,
+    IN_PLACE_TIMING_MIN_BYTES,
     DirectLaunch,
     OpFamily,
 )
@@ -174,12 +176,12 @@ def _measure_routes(
     stages: dict[str, float] = {}
     with _stage(stages, "first launches"):  # our kernels': compile and tune
         directions = call_directions(family, meta_args, device)
-    for op, templates, direct in directions:
+    for op, templates, direct, math in directions:
         make_inputs = functools.partial(random_inputs, op, templates, device)
         with _stage(stages, f"{op._name} kernel timing"):
             kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         with _stage(stages, f"{op._name} inductor compile"):
-            compiled = compile_math(DECOMPOSITIONS[op], make_inputs(), options)
+            compiled = compile_math(math, make_inputs(), options)
         with _stage(stages, f"{op._name} inductor timing"):
             inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
@@ -198,18 +200,37 @@ def _stage(stages: dict[str, float], name: str) -> Iterator[None]:
     stages[name] = time.perf_counter() - start
 
 
-def call_directions(
-    family: OpFamily, meta_args: Sequence[Any], device: torch.device
-) -> list[tuple[OpOverload, list[Any], Callable[..., Any]]]:
-    """A call's forward and backward: (op, argument templates, direct launch) each.
+class Direction(NamedTuple):
+    """One direction of a call, as route timing runs it."""
 
-    The templates hold meta tensors (shapes and dtypes); the backward's come from a forward on
-    random inputs, freed on return, so that no timing holds another direction's inputs.
+    op: OpOverload
+    templates: list[Any]
+    """Meta tensors (layouts and dtypes) and plain values: the op's arguments."""
+    direct: Callable[..., Any]
+    """Our kernels' direct launch."""
+    math: Callable[..., Any]
+    """What Inductor's route compiles: the op's aten math."""
+
+
+def call_directions(family: OpFamily, meta_args: Sequence[Any], device: torch.device) -> list[Direction]:
+    """A call's forward and backward.
+
+    The templates hold meta tensors; the backward's come from a forward on random inputs, freed
+    on return, so that no timing holds another direction's inputs. A backward with an in-place
+    timing (``ops._library.IN_PLACE_TIMING``) whose largest input takes at least
+    ``IN_PLACE_TIMING_MIN_BYTES`` is timed writing its output over that input, on both routes.
     """
     fwd_args = random_inputs(family.fwd, meta_args, device)
-    bwd_args = capture_backward_args(family, fwd_args)
-    return [(family.fwd, meta_templates(fwd_args), family.run_fwd_direct),
-            (family.bwd, meta_templates(bwd_args), family.run_bwd_direct)]  # fmt: skip
+    bwd_args = capture_backward_args(family, fwd_args, run_backward=False)  # runs the forward: its first launch
+    fwd = Direction(family.fwd, meta_templates(fwd_args), family.run_fwd_direct, DECOMPOSITIONS[family.fwd])
+    bwd = Direction(family.bwd, meta_templates(bwd_args), family.run_bwd_direct, DECOMPOSITIONS[family.bwd])
+    del fwd_args, bwd_args
+    in_place = IN_PLACE_TIMING.get(family.bwd)
+    largest = max((t.numel() * t.element_size() for t in bwd.templates if isinstance(t, torch.Tensor)), default=0)
+    if in_place is not None and largest >= IN_PLACE_TIMING_MIN_BYTES:
+        bwd = bwd._replace(direct=in_place.run_direct, math=in_place.math)
+    bwd.direct(*random_inputs(bwd.op, bwd.templates, device))  # the backward's first launch
+    return [fwd, bwd]
 
 
 def time_direct(
@@ -236,9 +257,14 @@ class _RecordingContext:
         pass
 
 
-def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any]) -> list[Any]:
+class _Captured(Exception):
+    """Stops a family's backward once its backward op's arguments are known."""
+
+
+def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any], run_backward: bool = True) -> list[Any]:
     """The arguments the family's backward op receives after a forward on ``fwd_args``
-    (random cotangents for the floating-point outputs)."""
+    (random cotangents for the floating-point outputs). ``run_backward=False`` stops the
+    backward there, before the op runs (and allocates its outputs)."""
     output = family.run_fwd_direct(*fwd_args)
     ctx = _RecordingContext(len(fwd_args))
     family.setup_context(ctx, tuple(fwd_args), output)
@@ -248,9 +274,14 @@ def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any]) -> list[Any
 
     def bwd(*args: Any) -> Any:
         captured.extend(args)
+        if not run_backward:
+            raise _Captured
         return family.run_bwd_direct(*args)
 
-    family.backward(ctx, bwd, *grads)
+    try:
+        family.backward(ctx, bwd, *grads)
+    except _Captured:
+        pass
     return captured
 
 

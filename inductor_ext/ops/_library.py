@@ -57,6 +57,14 @@ FAMILIES: dict[OpOverload, "OpFamily"] = {}
 FAMILY_OF: dict[str, str] = {}
 """Op qualname (``fastops::rms_norm_bwd``) -> its family's name (``rms_norm``), for per-family options."""
 
+IN_PLACE_TIMING: dict[OpOverload, "InPlaceTiming"] = {}
+"""Backward op -> its in-place timing, used by route timing when its largest input takes at least
+:data:`IN_PLACE_TIMING_MIN_BYTES` (``inductor.choice.call_directions``)."""
+
+IN_PLACE_TIMING_MIN_BYTES = 256 * 2**20
+"""Below this the functional op is timed: a copy of the input costs the standalone tuner's peak
+less than Triton's 256 MB L2-flush buffer, which every config's benchmark allocates anyway."""
+
 MathRoute = Callable[[str, Sequence[Any]], bool]
 """``(op qualname, args) -> True`` to trace an op's aten math instead of its Triton kernels."""
 
@@ -464,6 +472,25 @@ def _is_tensor_type(schema_type: Any) -> bool:
 def _traces_math(qualname: str, args: Sequence[Any]) -> bool:
     choose_math = _math_route.get()
     return choose_math is not None and choose_math(qualname, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceTiming:
+    """How route timing runs a backward op whose output is as large as one of its inputs: writing
+    the output over that input, so the timing holds the input alone, not both (cross-entropy's
+    backward at Llama-3's 4096 x 128256 bf16: 0.98 GiB of logits, and as much again of gradient).
+
+    It reads and writes the bytes the functional op does. Our kernels launch the functional op's
+    autotuned JIT function (so the launch config picked while timing is the one a compile looks
+    up), and Inductor fuses the math and its copy into the input into one kernel."""
+
+    kernels: Callable[..., Any]
+    """``(launch, *the backward op's args) -> None``, as :func:`define_op_family`'s ``kernels``."""
+    math: Callable[..., Any]
+    """Aten math writing the output over the input, compiled for Inductor's route."""
+
+    def run_direct(self, *args: Any) -> None:
+        _run_direct(self.math, self.kernels, args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from inductor_ext.kernels.cross_entropy import (
     scale_rows_kernel,
 )
 from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import Launch, define_mutating_op, define_op_family
+from inductor_ext.ops._library import IN_PLACE_TIMING, InPlaceTiming, Launch, define_mutating_op, define_op_family
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -271,14 +271,17 @@ def launch_cross_entropy_bwd(
     labels: Tensor,
     lse: Tensor,
     options: tuple[int, float, float, float, str],
+    restore_logits: bool = True,
 ) -> None:
-    """The backward kernel writing into ``dlogits`` (``dlogits is logits``: in place)."""
+    """The backward kernel writing into ``dlogits`` (``dlogits is logits``: in place). In place, its
+    autotuner saves the logits before timing configs and restores them after; ``restore_logits=False``
+    launches the functional op's autotuner instead, which does not (route timing, on random logits)."""
     ignore_index, label_smoothing, lse_square_scale, softcap, reduction = options
     n, v = logits.shape
     if n == 0:
         return
     scale = backward_grad_scale(grad_output, labels, ignore_index, reduction)
-    kernel = cross_entropy_bwd_inplace_kernel if dlogits is logits else cross_entropy_bwd_kernel
+    kernel = cross_entropy_bwd_inplace_kernel if dlogits is logits and restore_logits else cross_entropy_bwd_kernel
     launch(
         kernel, lambda meta: (n, triton.cdiv(v, meta["BLOCK_V"])),
         logits, dlogits, lse, labels, scale,
@@ -352,6 +355,15 @@ _bwd_inplace = define_mutating_op(
     "cross_entropy_bwd_inplace", family="cross_entropy", math=cross_entropy_bwd_inplace_math,
     kernels=cross_entropy_bwd_inplace_kernels, mutates=("logits",),
 )  # fmt: skip
+
+
+def _timed_bwd_inplace_kernels(
+    launch: Launch, grad_output: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, *options: Any
+) -> None:
+    launch_cross_entropy_bwd(launch, grad_output, logits, logits, labels.contiguous(), lse, options, restore_logits=False)
+
+
+IN_PLACE_TIMING[cross_entropy_family.bwd] = InPlaceTiming(_timed_bwd_inplace_kernels, cross_entropy_bwd_inplace_math)
 
 
 class _CrossEntropyInplace(torch.autograd.Function):

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
@@ -330,6 +331,49 @@ def test_inductor_route_is_traced_without_running_the_math():
     compiled = choice.compile_math(recording, args, BackendOptions())
     assert seen and all(issubclass(t, FakeTensor) for t in seen)
     torch.testing.assert_close(compiled(args), math(*args))
+
+
+def _ce_meta_call(rows, classes):
+    logits = torch.empty(rows, classes, device="meta")
+    return [logits, torch.empty(rows, dtype=torch.int64, device="meta"), -100, 0.0, 0.0, 0.0, "mean"]
+
+
+@pytest.mark.parametrize("large", [True, False], ids=["above_threshold", "below"])
+def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
+    """Route timing holds a cross-entropy backward's logits, not also their gradient, when the
+    logits are large (H200, session 11: 0.98 GiB of logits and 0.98 GiB of gradient made the
+    tuner's peak). Both routes then write the functional op's gradient over the logits, our
+    kernels through the functional op's autotuner (which keeps no copy of the logits); the
+    direction keeps the functional op's name, under which the decision is stored."""
+    from inductor_ext.inductor import choice
+    from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
+    from inductor_ext.ops import _library
+    from inductor_ext.ops.cross_entropy import cross_entropy_family
+
+    monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
+    launched = []
+    direct = _library._DIRECT
+    monkeypatch.setattr(_library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1])
+    fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
+    assert (fwd.op, bwd.op) == (cross_entropy_family.fwd, cross_entropy_family.bwd)
+    # one backward launch (its first), after the forward: none while its arguments were captured
+    assert launched.count(cross_entropy_bwd_kernel) == 1 and cross_entropy_bwd_inplace_kernel not in launched
+
+    args = random_inputs(bwd.op, bwd.templates, "cpu")
+    expected = cross_entropy_family.run_bwd_direct(*args)
+    for route in ("kernel", "inductor"):
+        run_args = [*args[:1], args[1].clone(), *args[2:]]
+        logits = run_args[1].clone()
+        if route == "kernel":
+            out = bwd.direct(*run_args)
+        else:
+            out = choice.compile_math(bwd.math, run_args, BackendOptions())(run_args)
+        if large:
+            torch.testing.assert_close(run_args[1], expected, rtol=1e-5, atol=1e-6)
+        else:
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(run_args[1], logits)  # the functional op leaves the logits alone
 
 
 @pytest.mark.parametrize("make,expect_weight", [(LlamaRMSNorm, True), (GemmaRMSNorm, True), (FunctionalRMSNorm, True),
