@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from inductor_ext.autotune.timing import is_row_major, size_hint
+from inductor_ext.autotune.timing import is_row_major, layout_hints, size_hint
 
 IGNORED_FRACTION = 0.1
 """Fraction of labels set to ``ignore_index``."""
@@ -80,11 +80,10 @@ def random_inputs(op: OpOverload, args: Sequence[Any], device: torch.device | st
 def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    hints = [size_hint(s) for s in value.shape]
-    stride_hints = [size_hint(s) for s in value.stride()]
-    shape, stride = [s for s in hints if s is not None], [s for s in stride_hints if s is not None]
-    if len(shape) != len(hints) or len(stride) != len(stride_hints):
-        raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}")
+    try:
+        shape, stride = layout_hints(value)
+    except ValueError:
+        raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}") from None
     target = torch.device(device) if device is not None else value.device
     if value.dtype.is_floating_point:
         if is_row_major(shape, stride):

@@ -20,7 +20,7 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
-def _layout(t: torch.Tensor) -> tuple[list[int], list[int]]:
+def layout_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
     """(shape, strides) of ``t`` as ints (hints for symbolic ones); ValueError when one is unbacked."""
     shape, stride = [size_hint(s) for s in t.shape], [size_hint(s) for s in t.stride()]
     if None in shape or None in stride:
@@ -43,7 +43,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``t``'s shape, strides (hints for symbolic ones) and dtype: the layout
     without storage. Strides matter: a kernel may pick another grid for another layout (RoPE on
     HF's transposed q and k), so timing and launch-config records must see the layout the model has."""
-    shape, stride = _layout(t)
+    shape, stride = layout_hints(t)
     return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
 
 

@@ -343,6 +343,19 @@ def test_random_inputs_keep_the_layout_of_the_call():
     assert table.stride() == (0, 16, 1) and table.std() > 0.5
 
 
+def test_random_inputs_refuse_a_data_dependent_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from inductor_ext.ops.glu import glu_family
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        gate = torch.empty(mode.shape_env.create_unbacked_symint(), 8)
+    with pytest.raises(ValueError, match="glu_fwd: cannot build argument 'gate' of data-dependent shape"):
+        random_inputs(glu_family.fwd, (gate, gate, "silu"), "cpu")
+
+
 def test_call_file_tensor_may_give_its_strides(tmp_path):
     path = tmp_path / "calls.json"
     q = {"shape": [1, 4, 6, 8], "dtype": "bfloat16", "stride": [192, 8, 32, 1]}
