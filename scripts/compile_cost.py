@@ -67,8 +67,11 @@ def recorded_launches(sms: int) -> Iterator[list[tuple[Any, tuple[Any, ...], dic
 
 
 def fake_cuda(args: tuple[Any, ...]) -> list[Any]:
-    """The call's meta tensors as fake CUDA tensors (call within a ``FakeTensorMode``)."""
-    return [torch.empty(a.shape, dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a for a in args]
+    """The call's meta tensors as fake CUDA tensors of the same layouts (call within a ``FakeTensorMode``)."""
+    return [
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
 
 
 def _source(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], backend: Any) -> tuple[ASTSource, Any]:
@@ -140,9 +143,9 @@ def main() -> None:
                 library.candidate_configs(kernel, kernel_args, kwargs) if isinstance(kernel, Autotuner) else [None]
             )
             fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+            types = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in kernel_args)
             for config in configs[: args.configs or None]:
                 meta = {**kwargs, **(config.all_kwargs() if config is not None else {})}
-                types = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in kernel_args)
                 key = (fn.__name__, repr(sorted(meta.items(), key=str)), types)
                 if key in seen:
                     continue

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from inductor_ext.autotune.timing import is_row_major, layout_hints, size_hint
+from inductor_ext.autotune.timing import meta_like, size_hint
 
 IGNORED_FRACTION = 0.1
 """Fraction of labels set to ``ignore_index``."""
@@ -81,17 +81,18 @@ def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, 
     if not isinstance(value, torch.Tensor):
         return value
     try:
-        shape, stride = layout_hints(value)
+        template = meta_like(value)
     except ValueError:
         raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}") from None
+    shape = list(template.shape)
     target = torch.device(device) if device is not None else value.device
     if value.dtype.is_floating_point:
-        if is_row_major(shape, stride):
+        if template.is_contiguous():
             return torch.randn(shape, dtype=value.dtype, device=target)
         # the argument's own layout (a transposed view, a broadcast table): one random storage
-        # spanning every element the strides reach, viewed with them
-        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-        return torch.randn(span, dtype=value.dtype, device=target).as_strided(shape, stride)
+        # as long as the layout needs (the meta template's), viewed with its strides
+        span = template.untyped_storage().nbytes() // template.element_size()
+        return torch.randn(span, dtype=value.dtype, device=target).as_strided(shape, template.stride())
     if value.dtype == torch.bool:
         return torch.rand(shape, device=target) < 0.5
     rule = INDEX_ARGUMENTS.get(name)

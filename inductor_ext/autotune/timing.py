@@ -20,31 +20,15 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
-def layout_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(shape, strides) of ``t`` as ints (hints for symbolic ones); ValueError when one is unbacked."""
-    shape, stride = [size_hint(s) for s in t.shape], [size_hint(s) for s in t.stride()]
-    if None in shape or None in stride:
-        raise ValueError(f"cannot tune a tensor of data-dependent shape {tuple(t.shape)}")
-    return cast(list[int], shape), cast(list[int], stride)
-
-
-def is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether ``stride`` is the contiguous (row-major) stride of ``shape`` (dims of size 1 ignored, as
-    ``torch.Tensor.is_contiguous`` does)."""
-    expected = 1
-    for size, step in reversed(list(zip(shape, stride))):
-        if size != 1 and step != expected:
-            return False
-        expected *= size
-    return True
-
-
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``t``'s shape, strides (hints for symbolic ones) and dtype: the layout
     without storage. Strides matter: a kernel may pick another grid for another layout (RoPE on
-    HF's transposed q and k), so timing and launch-config records must see the layout the model has."""
-    shape, stride = layout_hints(t)
-    return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+    HF's transposed q and k), so timing and launch-config records must see the layout the model has.
+    ValueError when a size or stride is data-dependent (unbacked)."""
+    shape, stride = [size_hint(s) for s in t.shape], [size_hint(s) for s in t.stride()]
+    if None in shape or None in stride:
+        raise ValueError(f"cannot tune a tensor of data-dependent shape {tuple(t.shape)}")
+    return torch.empty_strided(cast(list[int], shape), cast(list[int], stride), dtype=t.dtype, device="meta")
 
 
 def meta_templates(args: Sequence[Any]) -> list[Any]:
