@@ -174,16 +174,24 @@ def _measure_routes(
 ) -> list[RouteDecision]:
     decisions = []
     stages: dict[str, float] = {}
-    with _stage(stages, "first launches"):  # our kernels': compile and tune
-        directions = call_directions(family, meta_args, device)
-    for op, templates, direct, math in directions:
+    compiled: dict[OpOverload, Callable[[Sequence[Any]], Any]] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as inductor_thread:
+
+        @contextlib.contextmanager
+        def compile_beside(direction: Direction, inputs: Sequence[Any]) -> Iterator[None]:
+            # Inductor compiles the direction's math on its own thread while ours compile and tune
+            future = inductor_thread.submit(compile_math_on, device, direction.math, inputs, options)
+            yield
+            compiled[direction.op] = future.result()
+
+        with _stage(stages, "first launches beside Inductor's compiles"):
+            directions = call_directions(family, meta_args, device, while_first_launch=compile_beside)
+    for op, templates, direct, _math in directions:
         make_inputs = functools.partial(random_inputs, op, templates, device)
         with _stage(stages, f"{op._name} kernel timing"):
             kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
-        with _stage(stages, f"{op._name} inductor compile"):
-            compiled = compile_math(math, make_inputs(), options)
         with _stage(stages, f"{op._name} inductor timing"):
-            inductor_ms, inductor_spread = median_ms(compiled, make_inputs)
+            inductor_ms, inductor_spread = median_ms(compiled[op], make_inputs)
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
@@ -212,24 +220,35 @@ class Direction(NamedTuple):
     """What Inductor's route compiles: the op's aten math."""
 
 
-def call_directions(family: OpFamily, meta_args: Sequence[Any], device: torch.device) -> list[Direction]:
-    """A call's forward and backward.
+def call_directions(
+    family: OpFamily,
+    meta_args: Sequence[Any],
+    device: torch.device,
+    while_first_launch: Callable[[Direction, Sequence[Any]], contextlib.AbstractContextManager[Any]] | None = None,
+) -> list[Direction]:
+    """A call's forward and backward, each launched once (its first launch: our kernels' compile and tune).
 
     The templates hold meta tensors; the backward's come from a forward on random inputs, freed
     on return, so that no timing holds another direction's inputs. A backward with an in-place
     timing (``ops._library.IN_PLACE_TIMING``) whose largest input takes at least
     ``IN_PLACE_TIMING_MIN_BYTES`` is timed writing its output over that input, on both routes.
+    ``while_first_launch(direction, inputs)``, a context manager, is entered around each first
+    launch with that launch's inputs: route timing compiles Inductor's route meanwhile, on them.
     """
+    beside = while_first_launch or (lambda direction, inputs: contextlib.nullcontext())
     fwd_args = random_inputs(family.fwd, meta_args, device)
-    bwd_args = capture_backward_args(family, fwd_args, run_backward=False)  # runs the forward: its first launch
     fwd = Direction(family.fwd, meta_templates(fwd_args), family.run_fwd_direct, DECOMPOSITIONS[family.fwd])
+    with beside(fwd, fwd_args):
+        bwd_args = capture_backward_args(family, fwd_args, run_backward=False)  # runs the forward: its first launch
     bwd = Direction(family.bwd, meta_templates(bwd_args), family.run_bwd_direct, DECOMPOSITIONS[family.bwd])
     del fwd_args, bwd_args
     in_place = IN_PLACE_TIMING.get(family.bwd)
     largest = max((t.numel() * t.element_size() for t in bwd.templates if isinstance(t, torch.Tensor)), default=0)
     if in_place is not None and largest >= IN_PLACE_TIMING_MIN_BYTES:
         bwd = bwd._replace(direct=in_place.run_direct, math=in_place.math)
-    bwd.direct(*random_inputs(bwd.op, bwd.templates, device))  # the backward's first launch
+    bwd_args = random_inputs(bwd.op, bwd.templates, device)
+    with beside(bwd, bwd_args):
+        bwd.direct(*bwd_args)  # the backward's first launch
     return [fwd, bwd]
 
 
@@ -283,6 +302,14 @@ def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any], run_backwar
     except _Captured:
         pass
     return captured
+
+
+def compile_math_on(
+    device: torch.device, math: Callable[..., Any], args: Sequence[Any], options: BackendOptions
+) -> Callable[[Sequence[Any]], Any]:
+    """:func:`compile_math` with ``device`` current (a thread's CUDA device starts as the first)."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return compile_math(math, args, options)
 
 
 def compile_math(math: Callable[..., Any], args: Sequence[Any], options: BackendOptions) -> Callable[[Sequence[Any]], Any]:
