@@ -63,3 +63,17 @@ def test_backend_bench_compile_time_flags_exclude_each_other(capsys):
         backend.main(["--no-compile-times", "--compile-times-only"])
     assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("providers,message", [
+    (["fastops_auto"], "must include torch_compile"),
+    (["torch_compile", "fastops_auto_warm_db"], "fastops_auto_warm_db needs fastops_auto"),
+    (["torch_compile", "fastops_eager"], "invalid choice: 'fastops_eager'"),
+])  # fmt: skip
+def test_backend_bench_compile_providers_are_checked(capsys, providers, message):
+    from inductor_ext.bench import backend
+
+    with pytest.raises(SystemExit) as exit_info:
+        backend.main(["--compile-times-only", "--compile-providers", *providers])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

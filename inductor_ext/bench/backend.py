@@ -1,4 +1,5 @@
-"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048] [--no-compile-times]``:
+"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]
+[--no-compile-times | --compile-times-only] [--compile-providers PROVIDER ...]``:
 an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
 forward+backward, side by side: eager, ``torch.compile`` default, and
 ``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).
@@ -90,13 +91,18 @@ def first_step_command(args: Any, provider: str) -> list[str]:
             "--first-step", provider]  # fmt: skip
 
 
+COMPILE_PROVIDERS = ("torch_compile", *(f"fastops_{route}" for route in ROUTES), "fastops_auto_warm_db")
+"""Whose compile times the bench can take, in the order it takes them."""
+
+
 def _compile_times(args: Any) -> dict[str, float]:
-    """First-step seconds of each compiled provider, each in a fresh process (:func:`fresh_cache_env`);
-    ``fastops_auto_warm_db`` reuses the tuning database ``fastops_auto``'s process filled."""
+    """First-step seconds of each provider in ``args.compile_providers``, each in a fresh process
+    (:func:`fresh_cache_env`); ``fastops_auto_warm_db`` reuses the tuning database ``fastops_auto``'s
+    process filled."""
     seconds = {}
     with tempfile.TemporaryDirectory(prefix="backend_bench_") as scratch:
         auto_db = tempfile.mkdtemp(dir=scratch)
-        for name in ("torch_compile", *(f"fastops_{route}" for route in ROUTES), "fastops_auto_warm_db"):
+        for name in (name for name in COMPILE_PROVIDERS if name in args.compile_providers):
             tuning_dir = auto_db if name.startswith("fastops_auto") else tempfile.mkdtemp(dir=scratch)
             command = first_step_command(args, name.removesuffix("_warm_db"))
             seconds[name] = run_child(command, fresh_cache_env(scratch, tuning_dir))["seconds"]
@@ -112,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="skip the fresh-process compile times (about half of the run)")  # fmt: skip
     times.add_argument("--compile-times-only", action="store_true",
                        help="only the fresh-process compile times (about half of the run)")  # fmt: skip
+    parser.add_argument("--compile-providers", nargs="+", choices=COMPILE_PROVIDERS, default=list(COMPILE_PROVIDERS),
+                        metavar="PROVIDER", help=f"whose compile times to take (default: all of {', '.join(COMPILE_PROVIDERS)}); "
+                        "torch_compile is the ratios' base, and fastops_auto_warm_db needs fastops_auto's database")  # fmt: skip
     parser.add_argument("--first-step", help=argparse.SUPPRESS)  # a child process: one provider's compile time
-    args = parse_on_gpu(parser, argv)
+    args = parse_on_gpu(parser, argv, check=_check_compile_providers)
     show_route_timing()
     if args.first_step is not None:
         print_child_result({"seconds": _first_step_s(args.first_step, args)})
@@ -173,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report["providers"]["fastops_auto"]["routes"], indent=1))
     (args.out / "backend_llama.json").write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _check_compile_providers(args: Any) -> str | None:
+    providers = args.compile_providers
+    if "torch_compile" not in providers:
+        return "--compile-providers must include torch_compile (the compile times' ratios are to it)"
+    if "fastops_auto_warm_db" in providers and "fastops_auto" not in providers:
+        return "--compile-providers: fastops_auto_warm_db needs fastops_auto (it reuses its tuning database)"
+    return None
 
 
 def _print_compile_times(compile_s: dict[str, float]) -> None:

@@ -75,9 +75,16 @@ def model_bench_parser(
     return parser
 
 
-def parse_on_gpu(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``parser``'s arguments; a usage error on a machine without a CUDA GPU."""
+def parse_on_gpu(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    check: Callable[[argparse.Namespace], str | None] = lambda args: None,
+) -> argparse.Namespace:
+    """``parser``'s arguments; a usage error if ``check(args)`` returns one (a message), then on a
+    machine without a CUDA GPU."""
     args = parser.parse_args(argv)
+    if (error := check(args)) is not None:
+        parser.error(error)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     return args
