@@ -180,18 +180,17 @@ def _measure_routes(
         @contextlib.contextmanager
         def compile_beside(direction: Direction, inputs: Sequence[Any]) -> Iterator[None]:
             # Inductor compiles the direction's math on its own thread while ours compile and tune
-            future = inductor_thread.submit(compile_math_on, device, direction.math, inputs, options)
+            future = inductor_thread.submit(_compile_math_on, device, direction.math, inputs, options)
             yield
             compiled[direction.op] = future.result()
 
         with _stage(stages, "first launches beside Inductor's compiles"):
             directions = call_directions(family, meta_args, device, while_first_launch=compile_beside)
-    for op, templates, direct, _math in directions:
-        make_inputs = functools.partial(random_inputs, op, templates, device)
+    for op, templates, direct, _ in directions:  # the math is compiled: compiled[op]
         with _stage(stages, f"{op._name} kernel timing"):
             kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         with _stage(stages, f"{op._name} inductor timing"):
-            inductor_ms, inductor_spread = median_ms(compiled[op], make_inputs)
+            inductor_ms, inductor_spread = median_ms(compiled[op], functools.partial(random_inputs, op, templates, device))
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
@@ -304,7 +303,7 @@ def capture_backward_args(family: OpFamily, fwd_args: Sequence[Any], run_backwar
     return captured
 
 
-def compile_math_on(
+def _compile_math_on(
     device: torch.device, math: Callable[..., Any], args: Sequence[Any], options: BackendOptions
 ) -> Callable[[Sequence[Any]], Any]:
     """:func:`compile_math` with ``device`` current (a thread's CUDA device starts as the first)."""
