@@ -40,6 +40,9 @@ def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.
     Our kernels' configs are timed with Triton's full benchmark budget (:func:`thorough_benchmarks`)."""
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device to time on, got {device}")
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()  # Inductor's compile workers, for the route timing's compiles of the math
     decisions: list[RouteDecision] = []
     for call in progress(calls, "tuning"):
         try:

@@ -44,9 +44,14 @@ def fastops_inductor(
 ) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
+    from torch._inductor.async_compile import maybe_warm_pool
     from torch._inductor.compile_fx import compile_fx
 
     ours, inductor_options = parse_options(options)
+    # Inductor's compile workers take seconds to start, and route timing compiles the ops' math
+    # before the graph: start them now, as the "inductor" backend does. Until they are up,
+    # Inductor compiles each Triton kernel's configs one by one in this process.
+    maybe_warm_pool()
     if ours.patterns:
         apply_rewrites(gm)
     planner = RoutePlanner(ours, TuningDatabase())

@@ -248,6 +248,22 @@ def test_kernels_from_the_fx_graph_cache_get_their_hash_lock_back():
         pass
 
 
+def test_backend_starts_inductors_compile_workers_before_route_timing(monkeypatch):
+    """Route timing compiles the ops' math with Inductor before the graph: the compile workers must
+    already be starting then (as the "inductor" backend starts them), or Inductor compiles every
+    Triton config of those kernels in this process, one by one, until they are up."""
+    import torch._inductor.async_compile
+
+    from inductor_ext.inductor import choice
+
+    events = []
+    monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("warm pool"))
+    plan_graph = choice.RoutePlanner.plan_graph
+    monkeypatch.setattr(choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm))
+    torch.compile(LlamaRMSNorm(32), backend="fastops_inductor", fullgraph=True)(torch.randn(4, 32))
+    assert events[:2] == ["warm pool", "plan"]
+
+
 def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplog):
     """Route timing allocates random inputs beside whatever the process holds (a training step's
     weights and activations): running out of GPU memory there must not fail the compile."""
