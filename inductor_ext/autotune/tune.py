@@ -42,7 +42,7 @@ def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.
         raise ValueError(f"device must be a CUDA device to time on, got {device}")
     from torch._inductor.async_compile import maybe_warm_pool
 
-    maybe_warm_pool()  # Inductor's compile workers, for the route timing's compiles of the math
+    maybe_warm_pool()  # Inductor's compile workers, as the backend starts them on entry (see its note)
     decisions: list[RouteDecision] = []
     for call in progress(calls, "tuning"):
         try:
