@@ -16,6 +16,7 @@ import torch
 
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.cxx_runtime import promote_cxx_runtime
+from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
@@ -63,6 +64,8 @@ def export(
             f"({type(error).__name__}); torch.export says:\n{error}"
         ) from error
     ours, inductor_options = parse_options(options, default_multi_kernel=None)
+    if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
+        rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
     patches = {**inductor_options, **ours.inductor_patches()}
     patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++; so, as for cpp_wrapper (DESIGN.md
     # section 4), tune at compile time explicitly: multi-kernel asserts without it on some versions

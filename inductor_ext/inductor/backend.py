@@ -1,7 +1,8 @@
 """``torch.compile(model, backend="fastops_inductor")``.
 
-Four steps on the graph Dynamo hands over, then Inductor:
+Five steps on the graph Dynamo hands over, then Inductor:
 
+0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`);
 1. rewrite common spellings into fastops ops (:mod:`.patterns`);
 2. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
@@ -24,6 +25,7 @@ from torch._dynamo import register_backend
 from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
+from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.patterns import apply_rewrites
@@ -53,6 +55,8 @@ def fastops_inductor(
     # backend does (route timing compiles the ops' math before the graph). On the H200 (session
     # 13) this did not measurably shorten route timing: the workers were not up in time for it.
     maybe_warm_pool()
+    if ours.causal_mask:
+        rewrite_causal_masks(gm, assume_no_padding=ours.assume_no_padding)
     if ours.patterns:
         apply_rewrites(gm)
     planner = RoutePlanner(ours, TuningDatabase())

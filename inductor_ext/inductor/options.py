@@ -20,6 +20,14 @@ named next to each. An explicit option beats the environment, which beats the de
 ``fastops.patterns`` (``INDUCTOR_EXT_PATTERNS``)
     Rewrite common PyTorch spellings (HF ``LlamaRMSNorm``, ``F.rms_norm``, ...) into
     fastops ops before compiling (default true).
+``fastops.causal_mask`` (``INDUCTOR_EXT_CAUSAL_MASK``)
+    Call ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask where the
+    graph's mask is proven to be the causal mask (default true; :mod:`.causal_mask`).
+``fastops.assume_no_padding`` (``INDUCTOR_EXT_ASSUME_NO_PADDING``)
+    Promise that 2-D integer/boolean graph inputs that attention masks are built from
+    (HF's ``attention_mask``) hold no padding, so a mask built from them can be proven
+    causal too (default false). A device-side assertion checks the promise at run time,
+    with no host sync: a mask with padding stops the program with an error.
 ``cpp_wrapper`` (``INDUCTOR_EXT_CPP_WRAPPER``)
     Inductor's C++ wrapper; with it, ``triton.autotune_at_compile_time`` is forced on
     (torch 2.13 otherwise defaults it off and asserts with multi-kernel).
@@ -31,6 +39,8 @@ from collections.abc import Mapping
 from typing import Any
 
 ROUTES = ("auto", "kernel", "inductor")
+OPTION_NAMES = ("route", "multi_kernel", "patterns", "causal_mask", "assume_no_padding")
+"""Our options, each spelled ``fastops.<name>`` in ``options``."""
 _PREFIX = "fastops."
 
 
@@ -43,6 +53,8 @@ class BackendOptions:
     """None: leave Inductor's own setting (``TORCHINDUCTOR_MULTI_KERNEL`` or an explicit option)."""
     patterns: bool = True
     cpp_wrapper: bool = False
+    causal_mask: bool = True
+    assume_no_padding: bool = False
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
@@ -69,10 +81,10 @@ def parse_options(
 
     options = dict(options or {})
     ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if k.startswith(_PREFIX)}
-    unknown = set(ours) - {"route", "multi_kernel", "patterns"}
+    unknown = set(ours) - set(OPTION_NAMES)
     if unknown:
-        raise ValueError(f"fastops_inductor: unknown options {sorted(_PREFIX + k for k in unknown)}; "
-                         f"known: fastops.route, fastops.multi_kernel, fastops.patterns")  # fmt: skip
+        known = ", ".join(_PREFIX + k for k in OPTION_NAMES)
+        raise ValueError(f"fastops_inductor: unknown options {sorted(_PREFIX + k for k in unknown)}; known: {known}")
 
     route = ours.get("route", env.get("INDUCTOR_EXT_ROUTE", "auto"))
     default_route, routes = _parse_route(route)
@@ -87,7 +99,11 @@ def parse_options(
     patterns = ours.get("patterns", env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
     # a process-wide torch._inductor.config.cpp_wrapper counts too (it needs compile-time autotuning as well)
     cpp_wrapper = bool(options.pop("cpp_wrapper", env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper)))
-    parsed = BackendOptions(default_route, routes, multi_kernel, bool(patterns), cpp_wrapper)
+    causal_mask = ours.get("causal_mask", env_flag(env, "INDUCTOR_EXT_CAUSAL_MASK", True))
+    assume_no_padding = ours.get("assume_no_padding", env_flag(env, "INDUCTOR_EXT_ASSUME_NO_PADDING", False))
+    parsed = BackendOptions(
+        default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding)
+    )
     return parsed, options
 
 
