@@ -1,5 +1,5 @@
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``, or
-``python -m inductor_ext.bench backend|export|autotune [options]`` for the model-level benchmarks.
+``python -m inductor_ext.bench backend|export|autotune|train [options]`` for the model-level benchmarks.
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
@@ -28,6 +28,7 @@ MODEL_BENCHES = {
     "backend": "inductor_ext.bench.backend",
     "export": "inductor_ext.bench.export",
     "autotune": "inductor_ext.bench.autotune",
+    "train": "inductor_ext.bench.train",
 }
 """Model-level benchmarks, each with its own ``main(argv)``: ``python -m inductor_ext.bench backend --help``."""
 

@@ -1,0 +1,315 @@
+"""``python -m inductor_ext.bench train [--model llama-3.2-1b] [--batch 4] [--seq 2048] [--steps 10]
+[--providers ...] [--attention-mask none|ones] [--out DIR]``: a training step of a real HF
+transformers model, side by side.
+
+The model is built from a config in :data:`MODELS` (no download: random init, bf16 weights,
+fused AdamW), and each provider trains it in its own fresh process (no compiled code, patched
+class or allocator state carried over), on the same seeded weights and token batches. Per
+provider: tokens/s (median over ``--steps`` timed steps after warm-up, wall clock), peak
+memory over those steps, the first step's seconds (compile included), the final loss next
+to ``hf_eager``'s, and one profiled step's GPU time per kernel category (GEMMs, attention,
+optimizer, everything else) with the largest "everything else" kernels. Writes
+``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
+
+``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
+the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
+prove causal unless ``fastops.assume_no_padding`` is set (provider
+``fastops_inductor_no_padding``).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inductor_ext.bench.harness import kernel_class, print_child_result, run_child
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    "mistral-7b-4l": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5,
+                          rope_theta=1000000.0, max_position_embeddings=32768, sliding_window=None),
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+}  # fmt: skip
+"""Model shapes by name: a transformers config's fields (``model_type`` picks the class). The real
+models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers) and a tiny one for CPU tests."""
+
+PROVIDERS: dict[str, dict[str, Any] | None] = {
+    "hf_eager": None,
+    "torch_compile": {},
+    "fastops_inductor": {"backend": "fastops_inductor"},
+    "fastops_inductor_kernel": {"backend": "fastops_inductor", "options": {"fastops.route": "kernel"}},
+    "fastops_inductor_no_causal_rewrite": {"backend": "fastops_inductor", "options": {"fastops.causal_mask": False}},
+    "fastops_inductor_no_padding": {"backend": "fastops_inductor", "options": {"fastops.assume_no_padding": True}},
+    "liger_eager": None,
+}
+"""Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
+patch for the model family (only where ``liger_kernel`` is importable)."""
+
+DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
+CATEGORIES = ("gemm", "attention", "optimizer", "other")
+LEARNING_RATE = 1e-4
+
+
+def config_for(model: str) -> Any:
+    """The transformers config of a :data:`MODELS` entry, with SDPA attention."""
+    import transformers
+
+    fields = dict(MODELS[model])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_model(model: str, device: str, dtype: torch.dtype, *, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised causal LM of the given shape: the same weights for the same seed and device."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        built = transformers.AutoModelForCausalLM.from_config(config_for(model), dtype=dtype)
+    return built.train()
+
+
+def batches(count: int, batch: int, seq: int, vocab: int, device: str, *, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=generator).to(device) for _ in range(count)]
+
+
+def make_step(model: torch.nn.Module, provider: str, attention_mask: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them); returns the loss."""
+    compile_args = PROVIDERS[provider]
+    forward: Any = model if compile_args is None else torch.compile(model, **compile_args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=next(model.parameters()).is_cuda)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        kwargs = {"attention_mask": torch.ones_like(ids)} if attention_mask == "ones" else {}
+        loss = forward(input_ids=ids, labels=ids, **kwargs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def apply_liger(model_name: str) -> None:
+    """Liger-Kernel's class-level patch for the model family (before the model is built)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    MODEL_TYPE_TO_APPLY_LIGER_FN[MODELS[model_name]["model_type"]]()
+
+
+def run_provider(args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``args.worker`` for warm-up + timed + profiled steps in this process; its measurements."""
+    device, provider = args.device, args.worker
+    if provider == "liger_eager":
+        apply_liger(args.model)
+    model = build_model(args.model, device, torch.bfloat16)
+    step = make_step(model, provider, args.attention_mask)
+    data = batches(args.warmup + args.steps + 1 + args.profile_steps, args.batch, args.seq, model.config.vocab_size, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    start = time.perf_counter()
+    losses = [step(data[0])]
+    sync()
+    first_step_s = time.perf_counter() - start
+    for ids in data[1 : 1 + args.warmup]:
+        losses.append(step(ids))
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step_s = []
+    for ids in data[1 + args.warmup : 1 + args.warmup + args.steps]:
+        start = time.perf_counter()
+        losses.append(step(ids))
+        sync()
+        step_s.append(time.perf_counter() - start)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    kernels = _profile(step, data[1 + args.warmup + args.steps :], device) if args.profile_steps else {}
+    median_s = statistics.median(step_s)
+    categories = dict.fromkeys(CATEGORIES, 0.0)
+    for name, ms in kernels.items():
+        categories[train_kernel_class(name)] += ms
+    others = sorted(((ms, name) for name, ms in kernels.items() if train_kernel_class(name) == "other"), reverse=True)
+    return {
+        "provider": provider,
+        "tokens_per_s": args.batch * args.seq / median_s,
+        "step_ms_median": 1e3 * median_s,
+        "step_ms": [1e3 * s for s in step_s],
+        "peak_gib": peak_gib,
+        "first_step_s": first_step_s,
+        "losses": [float(loss) for loss in losses],
+        "gpu_ms_by_category": categories,
+        "gpu_ms_total": sum(categories.values()),
+        "top_other_kernels_ms": {name: ms for ms, name in others[:25]},
+    }
+
+
+def train_kernel_class(name: str) -> str:
+    """:func:`inductor_ext.bench.harness.kernel_class`, with the optimizer's kernels apart."""
+    lowered = name.lower()
+    if "multi_tensor_apply" in lowered or "adam" in lowered:
+        return "optimizer"
+    return kernel_class(name)
+
+
+def _profile(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor], device: str) -> dict[str, float]:
+    """GPU ms per step in each kernel (by name), from the profiler over the given batches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda":
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for ids in data:
+            step(ids)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3 / len(data)
+    return totals
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m inductor_ext.bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, not timed")
+    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps for the GPU-time table (0: none)")
+    p.add_argument("--providers", nargs="+", choices=sorted(PROVIDERS), default=list(DEFAULT_PROVIDERS))
+    p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
+                   help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sorted(PROVIDERS), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
+    return p
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if min(args.batch, args.seq, args.steps) < 1 or min(args.warmup, args.profile_steps) < 0:
+        return "--batch, --seq and --steps must be >= 1; --warmup and --profile-steps >= 0"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "this benchmark needs a CUDA GPU"
+    return None
+
+
+def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
+    flags = ["--model", args.model, "--batch", args.batch, "--seq", args.seq, "--steps", args.steps,
+             "--warmup", args.warmup, "--profile-steps", args.profile_steps, "--attention-mask",
+             args.attention_mask, "--device", args.device, "--worker", provider]  # fmt: skip
+    return [sys.executable, "-m", "inductor_ext.bench", "train", *map(str, flags)]
+
+
+def available(provider: str) -> bool:
+    if provider != "liger_eager":
+        return True
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per provider: the ratios to ``torch_compile`` and the final loss's difference from ``hf_eager``'s."""
+    base = results.get("torch_compile", {}).get("tokens_per_s")
+    reference_loss = results.get("hf_eager", {}).get("losses", [None])[-1]
+    rows = []
+    for name, r in results.items():
+        row = {
+            "provider": name,
+            "tokens/s": round(r["tokens_per_s"]),
+            "x torch.compile": round(r["tokens_per_s"] / base, 3) if base else None,
+            "peak GiB": round(r["peak_gib"], 2) if r["peak_gib"] is not None else None,
+            "first step s": round(r["first_step_s"], 1),
+            "final loss": round(r["losses"][-1], 4),
+            "- hf_eager": round(r["losses"][-1] - reference_loss, 4) if reference_loss is not None else None,
+        }
+        row.update({f"{c} ms": round(r["gpu_ms_by_category"][c], 1) for c in CATEGORIES})
+        row["GPU ms"] = round(r["gpu_ms_total"], 1)
+        row["wall ms"] = round(r["step_ms_median"], 1)
+        rows.append(row)
+    return rows
+
+
+def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.barh(names, [results[n]["tokens_per_s"] / 1e3 for n in names], color="tab:blue")
+    left.set_xlabel("thousand tokens / s (higher is better)")
+    left.invert_yaxis()
+    offset = [0.0] * len(names)
+    for category in CATEGORIES:
+        values = [results[n]["gpu_ms_by_category"][category] for n in names]
+        right.barh(names, values, left=offset, label=category)
+        offset = [a + b for a, b in zip(offset, values)]
+    right.set_xlabel("GPU ms per step, by kernel category")
+    right.invert_yaxis()
+    right.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if (error := _check(args)) is not None:
+        p.error(error)
+    if args.worker:
+        print_child_result(run_provider(args))
+        return 0
+    from tabulate import tabulate
+
+    results: dict[str, dict[str, Any]] = {}
+    for provider in args.providers:
+        if not available(provider):
+            print(f"{provider}: skipped (liger_kernel is not importable)")
+            continue
+        print(f"{provider} ...", flush=True)
+        results[provider] = run_child(_worker_command(args, provider), {})
+    stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    rows = summarize(results)
+    print(tabulate(rows, headers="keys"))
+    for name, r in results.items():
+        top = list(r["top_other_kernels_ms"].items())[:8]
+        print(f"{name}: largest 'other' kernels (ms/step): " + ", ".join(f"{k[:60]} {v:.2f}" for k, v in top))
+    if results and args.device == "cuda":
+        plot(results, args.out / f"{stem}.png", f"{args.model}, {args.batch} x {args.seq} tokens, bf16, AdamW")
+    return 0
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
