@@ -17,8 +17,8 @@ from pathlib import Path
 import filelock
 import torch
 
-from inductor_ext.autotune.database import cache_dir
 from inductor_ext.tensor_file import read_tensors, write_tensors
+from inductor_ext.tuning.database import cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
 

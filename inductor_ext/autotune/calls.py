@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import meta_templates, signature
 from inductor_ext.ops._library import FAMILIES, OpFamily
+from inductor_ext.tuning.timing import meta_templates, signature
 
 
 @dataclasses.dataclass(frozen=True)

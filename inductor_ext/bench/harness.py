@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import capture_graph, graph_replay_ms, replay_ms
+from inductor_ext.tuning.timing import capture_graph, graph_replay_ms, replay_ms
 
 Inputs = dict[str, Any]
 
@@ -172,7 +172,7 @@ def bench_graph_median(
     fn: Callable[[], Any], calls_per_graph: int = 10, replays: int = 30
 ) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile) ms per call from replays of a CUDA graph of ``calls_per_graph``
-    calls (:func:`inductor_ext.autotune.timing.graph_replay_ms`); autograd backward inside the
+    calls (:func:`inductor_ext.tuning.timing.graph_replay_ms`); autograd backward inside the
     capture is supported by PyTorch (whole-network capture)."""
     times = graph_replay_ms([fn] * calls_per_graph, replays)
     deciles = statistics.quantiles(times, n=10)

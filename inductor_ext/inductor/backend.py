@@ -21,13 +21,13 @@ from typing import Any, cast
 import torch
 from torch._dynamo import register_backend
 
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.patterns import apply_rewrites
 from inductor_ext.ops._library import route_ops
+from inductor_ext.tuning.database import TuningDatabase
 
 BACKEND_NAME = "fastops_inductor"
 

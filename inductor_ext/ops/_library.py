@@ -37,8 +37,8 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.kernel_configs import (
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.kernel_configs import (
     LAUNCH_OPTIONS,
     LaunchSignature,
     device_name_of,
@@ -127,7 +127,7 @@ def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, 
 class TraceableLaunch:
     """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel.
 
-    A config recorded in the tuning database for this launch (:mod:`inductor_ext.autotune.kernel_configs`)
+    A config recorded in the tuning database for this launch (:mod:`inductor_ext.tuning.kernel_configs`)
     is the only one the traced kernel offers, so Inductor emits it and benchmarks nothing.
     """
 

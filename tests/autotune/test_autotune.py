@@ -21,18 +21,18 @@ import torch
 import torch.nn.functional as F
 
 import inductor_ext  # noqa: F401  (registers the ops)
-from inductor_ext.autotune import database as database_module
 from inductor_ext.autotune.__main__ import main
 from inductor_ext.autotune.calls import load_calls
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.inputs import IGNORED_FRACTION, random_inputs
-from inductor_ext.autotune.timing import signature
 from inductor_ext.autotune.trace import calls_from_entry
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 from inductor_ext.ops.rope import rope_family
+from inductor_ext.tuning import database as database_module
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.inputs import IGNORED_FRACTION, random_inputs
+from inductor_ext.tuning.timing import signature
 from tests.hf_spellings import LlamaRMSNorm, rotate_half
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -483,9 +483,9 @@ def _ce_launch(v: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     """A config picked while timing comes back for the same launch key (and only for it), and a traced
     launch then offers Inductor that config alone, restore_value kept."""
-    from inductor_ext.autotune.kernel_configs import records, stored_config
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
     from inductor_ext.ops._library import DirectLaunch, pruned_autotuner
+    from inductor_ext.tuning.kernel_configs import records, stored_config
 
     args, kwargs = _ce_launch(5000)
     key = DirectLaunch()._key(kernel, args, kwargs)  # what the eager autotuner's picks are keyed by
@@ -509,8 +509,8 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
 def test_symbolic_launch_keys_have_no_stored_config():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from inductor_ext.autotune.kernel_configs import launch_signature
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel as kernel
+    from inductor_ext.tuning.kernel_configs import launch_signature
 
     args, kwargs = _ce_launch(300)
     v = ShapeEnv().create_unbacked_symint()

@@ -3,10 +3,10 @@
 import torch
 
 import inductor_ext  # noqa: F401  (registers the ops)
-from inductor_ext.autotune.timing import signature
 from inductor_ext.autotune.trace import calls_from_entry
 from inductor_ext.bench.autotune import block
 from inductor_ext.inductor.choice import fastops_calls
+from inductor_ext.tuning.timing import signature
 
 
 def test_block_entry_traces_without_weights_the_calls_its_export_makes():

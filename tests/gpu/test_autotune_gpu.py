@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.rms_norm import rms_norm_family, rms_norm_ref
+from inductor_ext.tuning.database import TuningDatabase
 from tests.gpu.compile_checks import record_benchmarked_kernels, run_and_get_joined_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -64,7 +64,7 @@ def test_route_timing_counts_gpu_time_not_host_time():
     whenever it was slower than the kernels (docs/autotune.md)."""
     import time
 
-    from inductor_ext.autotune.timing import median_ms
+    from inductor_ext.tuning.timing import median_ms
 
     def run(inputs):
         time.sleep(0.002)

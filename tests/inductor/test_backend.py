@@ -15,11 +15,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
-from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
+from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (
     CausalLMLoss,
     GemmaRMSNorm,
@@ -294,9 +294,9 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
     both. Timed with a CPU clock here (CUDA events on a GPU)."""
     import time
 
-    from inductor_ext.autotune import timing
     from inductor_ext.inductor import choice
     from inductor_ext.ops.rms_norm import rms_norm_family
+    from inductor_ext.tuning import timing
 
     def cpu_median_ms(run, make_inputs):
         inputs = make_inputs()

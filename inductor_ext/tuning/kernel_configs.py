@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import triton
 
-from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.tuning.database import TuningDatabase
 
 LAUNCH_OPTIONS = frozenset({*triton.Config({}).all_kwargs(), "maxnreg"})
 """Keys of a config's ``all_kwargs()`` that are launch options (``num_warps``, ...), not kernel parameters."""
