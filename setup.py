@@ -3,7 +3,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-VERSION = re.search(r'__version__ = "(.+)"', Path(__file__).with_name("inductor_ext").joinpath("version.py").read_text())
+VERSION = re.search(
+    r'__version__ = "(.+)"', Path(__file__).with_name("inductor_ext").joinpath("version.py").read_text()
+)
 
 setup(
     name="inductor-ext",
@@ -14,7 +16,12 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6", "sympy", "filelock"],
     extras_require={
-        "test": ["pytest>=8", "numpy<2.4", "cmake>=3.18", "pyyaml"],  # cmake: the C++ runner; pyyaml: autotune call files
+        "test": [
+            "pytest>=8",
+            "numpy<2.4",
+            "cmake>=3.18",
+            "pyyaml",
+        ],  # cmake: the C++ runner; pyyaml: autotune call files
         "bench": ["tabulate", "matplotlib"],
         "hf": ["transformers", "peft"],
         "tune": ["tqdm", "tabulate", "pyyaml"],

@@ -67,6 +67,7 @@ def export_trivial(device: str, directory: Path, patches: dict) -> tuple[Path, l
 
     cpp_builder.run_compile_cmd = recording
     try:
+
         class Model(torch.nn.Module):
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 return (x * 2).relu() + 1
@@ -104,7 +105,11 @@ def load_in_fresh_process(package: Path, device: str, env_extra: dict, preload: 
     env = {**os.environ, **env_extra}
     args = [sys.executable, "-c", LOAD_AND_RUN, str(package), device] + ([preload] if preload else [])
     done = subprocess.run(args, capture_output=True, text=True, env=env, check=False, timeout=120)
-    return {"returncode": done.returncode, "segfault": done.returncode == -11, "tail": (done.stdout + done.stderr)[-800:]}
+    return {
+        "returncode": done.returncode,
+        "segfault": done.returncode == -11,
+        "tail": (done.stdout + done.stderr)[-800:],
+    }
 
 
 def run_cpp(package: Path, device: str) -> dict:

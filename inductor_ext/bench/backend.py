@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     times = interleaved_replay_ms(graphs)
     for name, graph in graphs.items():
         in_graph = graph_kernel_us(graph)
-        report["providers"][name].update(kernel_us_by_class_graph=kernel_us_by_class(in_graph), kernel_us_graph=in_graph)
+        report["providers"][name].update(
+            kernel_us_by_class_graph=kernel_us_by_class(in_graph), kernel_us_graph=in_graph
+        )
     for name, ms in times.items():
         ratios = [base / own for base, own in zip(times["torch_compile"], ms)]
         deciles, ratio_deciles = statistics.quantiles(ms, n=10), statistics.quantiles(ratios, n=10)

@@ -129,7 +129,11 @@ class RoutePlanner:
 
 
 def decide_routes(
-    family: OpFamily, args: Sequence[Any], options: BackendOptions, database: TuningDatabase | None, device: torch.device
+    family: OpFamily,
+    args: Sequence[Any],
+    options: BackendOptions,
+    database: TuningDatabase | None,
+    device: torch.device,
 ) -> list[RouteDecision]:
     """The route decisions of a forward call and its backward on ``device`` (a GPU): read from
     ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
@@ -190,7 +194,9 @@ def _measure_routes(
         with _stage(stages, f"{op._name} kernel timing"):
             kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         with _stage(stages, f"{op._name} inductor timing"):
-            inductor_ms, inductor_spread = median_ms(compiled[op], functools.partial(random_inputs, op, templates, device))
+            inductor_ms, inductor_spread = median_ms(
+                compiled[op], functools.partial(random_inputs, op, templates, device)
+            )
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
@@ -311,7 +317,9 @@ def _compile_math_on(
         return compile_math(math, args, options)
 
 
-def compile_math(math: Callable[..., Any], args: Sequence[Any], options: BackendOptions) -> Callable[[Sequence[Any]], Any]:
+def compile_math(
+    math: Callable[..., Any], args: Sequence[Any], options: BackendOptions
+) -> Callable[[Sequence[Any]], Any]:
     """Inductor's code for ``math`` at these arguments (tensors become graph inputs)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -175,8 +175,7 @@ def _check_param(name: str, param: Tensor | None, x: Tensor) -> None:
         raise TypeError(f"layer_norm: {name} must be float32, bfloat16 or float16, got {param.dtype}")
     if param.shape != x.shape[-1:]:
         raise ValueError(
-            f"layer_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, "
-            f"got {tuple(param.shape)}"
+            f"layer_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(param.shape)}"
         )
     if param.device != x.device:
         raise ValueError(f"layer_norm: {name} is on {param.device} but x is on {x.device}; both must be on one device")

@@ -77,13 +77,17 @@ def random_inputs(op: OpOverload, args: Sequence[Any], device: torch.device | st
     return [_random_argument(op, name, value, bound, device) for name, value in bound.items()]
 
 
-def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None) -> Any:
+def _random_argument(
+    op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None
+) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     try:
         template = meta_like(value)
     except ValueError:
-        raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}") from None
+        raise ValueError(
+            f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}"
+        ) from None
     shape = list(template.shape)
     target = torch.device(device) if device is not None else value.device
     if value.dtype.is_floating_point:

@@ -39,9 +39,7 @@ def key_signature(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -
     positions = _KEY_POSITIONS.get(kernel)
     if positions is None:
         index = {name: i for i, name in enumerate(kernel.arg_names)}
-        positions = _KEY_POSITIONS[kernel] = [
-            (index[k], k) if index[k] < len(args) else (None, k) for k in kernel.keys
-        ]
+        positions = _KEY_POSITIONS[kernel] = [(index[k], k) if index[k] < len(args) else (None, k) for k in kernel.keys]
     values = tuple([args[i] if i is not None else kwargs.get(k) for i, k in positions])
     return values, tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
 

@@ -53,7 +53,9 @@ def test_hf_config_of_a_llama_traces_every_rewritten_op(monkeypatch, tmp_path):
     args = ["tune", "--hf-config", str(tmp_path / "llama"), "--batch", "2", "--seq", "64", "--device", "cpu"]
     assert main(args) == 0
     calls = {key.split("|")[1]: key.split("|")[2] for key, _ in TuningDatabase().items() if key.startswith("route|")}
-    assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= set(calls), calls
+    assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= set(
+        calls
+    ), calls
     # ForCausalLMLoss upcasts, then flattens: the loss reads the bf16 logits, not an fp32 copy
     assert calls["fastops::cross_entropy_fwd"].startswith("(bfloat16[128,1000]"), calls
 

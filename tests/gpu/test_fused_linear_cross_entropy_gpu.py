@@ -19,7 +19,6 @@ flce = fused_linear_cross_entropy
 NAMES = ("loss", "dhidden", "dweight", "dbias")
 
 
-
 def _inputs(n, h, v, dtype, with_bias=False):
     hidden = torch.randn(n, h, device="cuda").to(dtype)
     weight = (2 * torch.randn(v, h, device="cuda") / h**0.5).to(dtype)

@@ -140,7 +140,7 @@ def test_cpp_wrapper_option():
         y, code = run_and_get_code(compiled, x)
         assert rel_err(y, module(x)) < OUTPUT[torch.float32]
     assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
-    assert any("extern \"C\"" in c or "cpp_wrapper" in c or "AOTInductor" in c for c in code)
+    assert any('extern "C"' in c or "cpp_wrapper" in c or "AOTInductor" in c for c in code)
 
 
 def test_dynamic_shapes_do_not_recompile():
@@ -259,7 +259,9 @@ def test_backend_starts_inductors_compile_workers_before_route_timing(monkeypatc
     events = []
     monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("warm pool"))
     plan_graph = choice.RoutePlanner.plan_graph
-    monkeypatch.setattr(choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm))
+    monkeypatch.setattr(
+        choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm)
+    )
     torch.compile(LlamaRMSNorm(32), backend="fastops_inductor", fullgraph=True)(torch.randn(4, 32))
     assert events[:2] == ["warm pool", "plan"]
 
@@ -278,7 +280,10 @@ def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplo
     monkeypatch.setattr(choice, "decide_routes", out_of_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with FakeTensorMode():  # shapes on a "cuda" device, no GPU needed
-        x, w = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16), torch.empty(256, device="cuda", dtype=torch.bfloat16)
+        x, w = (
+            torch.empty(64, 256, device="cuda", dtype=torch.bfloat16),
+            torch.empty(256, device="cuda", dtype=torch.bfloat16),
+        )
     args = (x, w, 1e-6, 0.0, "llama")
     planner = choice.RoutePlanner(BackendOptions())
     planner.plan_call(rms_norm_family, args)
@@ -410,7 +415,9 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
     launched = []
     direct = _library._DIRECT
-    monkeypatch.setattr(_library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1])
+    monkeypatch.setattr(
+        _library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1]
+    )
     fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
     assert (fwd.op, bwd.op) == (cross_entropy_family.fwd, cross_entropy_family.bwd)
     # one backward launch (its first), after the forward: none while its arguments were captured
