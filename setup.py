@@ -19,9 +19,11 @@ setup(
         "test": [
             "pytest>=8",
             "numpy<2.4",
-            "cmake>=3.18",
-            "pyyaml",
-        ],  # cmake: the C++ runner; pyyaml: autotune call files
+            "cmake>=3.18",  # the C++ runner
+            "pyyaml",  # autotune call files
+            "ruff==0.17.6",  # pinned: tests/test_code_quality.py lints and formats with it
+            "mypy==2.4.1",  # pinned: tests/test_code_quality.py type-checks with it
+        ],
         "bench": ["tabulate", "matplotlib"],
         "hf": ["transformers", "peft"],
         "tune": ["tqdm", "tabulate", "pyyaml"],

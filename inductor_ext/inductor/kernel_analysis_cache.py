@@ -121,6 +121,6 @@ def installed_memo() -> tuple[str, Callable[..., Any]] | None:
 
     for name in ANALYSIS_FUNCTIONS:
         analysis = getattr(triton_kernel_wrap, name, None)
-        if getattr(analysis, "memoized_by_inductor_ext", False):
+        if analysis is not None and getattr(analysis, "memoized_by_inductor_ext", False):
             return name, analysis
     return None

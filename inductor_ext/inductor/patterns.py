@@ -331,12 +331,14 @@ def _add_rms_norm(node: Node) -> Node | None:
     Only when x and r have h's shape and dtype (no broadcasting or promotion) and every other use
     of h comes after the norm (the fused op defines h there).
     """
-    if not _is_call(node, (rms_norm_family.fwd,)) or not _is_call(node.args[0], (), ("reshape",)):
+    if not _is_call(node, (rms_norm_family.fwd,)):
         return None
     rows = node.args[0]
+    if not _is_call(rows, (), ("reshape",)):
+        return None
     h = rows.args[0]
     operands = _binary_operands(h, _ADD, "add")
-    if operands is None or len(rows.users) != 1:
+    if operands is None or not isinstance(h, Node) or len(rows.users) != 1:
         return None
     hv = _value(h)
     for t in operands:
@@ -463,6 +465,8 @@ def _cross_entropy(node: Node) -> Node | None:
     smoothing = bound.get("label_smoothing", 0.0)
     lv, tv, out = _value(logits), _value(labels), _value(node)
     if not isinstance(lv, torch.Tensor) or not isinstance(tv, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    if not isinstance(logits, Node):  # a tensor in a Dynamo graph is always a node
         return None
     if (
         lv.dim() != 2
