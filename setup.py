@@ -13,6 +13,7 @@ setup(
     description="Fused Triton kernels for LLM training and inference as real PyTorch operators, "
     "with a torch.compile backend (fastops_inductor) and AOTInductor export.",
     packages=find_packages(include=["inductor_ext", "inductor_ext.*"]),
+    package_data={"inductor_ext.bench": ["*.json"]},  # compile_cost's default call file
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6", "sympy", "filelock"],
     extras_require={
