@@ -1,5 +1,5 @@
 """``python -m inductor_ext.bench autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1] [--parts a b c]``:
-the standalone autotuner against issue 5's targets. (a) and (b) take about 2 minutes on an H200,
+the standalone autotuner against its targets (below). (a) and (b) take about 2 minutes on an H200,
 (c) over 5 (five fresh processes, each compiling from empty caches): give (c) its own device call.
 
 What is measured:

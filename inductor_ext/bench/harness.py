@@ -190,7 +190,7 @@ def interleaved_replay_ms(
     """GPU ms per call of each graph's function in each of ``rounds`` rounds, the graphs replayed in
     turn within each round: clock and thermal drift then hits every function alike, and per-round
     ratios cancel it. The order rotates from round to round (:func:`rotated_order`), so no graph
-    always follows the same one or holds the same place in a round (session 7's decoder bench
+    always follows the same one or holds the same place in a round (an earlier decoder bench
     replayed eager, torch.compile, then the backend's three routes in a fixed order, and the
     graph-minus-stream time grew with the place: +0.81, +1.37, +1.38, +1.99 ms)."""
     times: dict[str, list[float]] = {name: [] for name in graphs}

@@ -50,8 +50,8 @@ def fastops_inductor(
     ours, inductor_options = parse_options(options)
     # Inductor's compile workers take seconds to start, and until they are up Inductor compiles
     # each Triton kernel's configs in this process, one by one: start them now, as the "inductor"
-    # backend does (route timing compiles the ops' math before the graph). On the H200 (session
-    # 13) this did not measurably shorten route timing: the workers were not up in time for it.
+    # backend does (route timing compiles the ops' math before the graph). On the H200 this did
+    # not measurably shorten route timing: the workers were not up in time for it.
     maybe_warm_pool()
     if ours.patterns:
         apply_rewrites(gm)

@@ -335,7 +335,7 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
 def test_route_timing_compiles_inductor_route_beside_first_launches(monkeypatch):
     """Inductor's compile of a direction's math runs on another thread while our kernels' first
     launch compiles and tunes (they were one after the other: 6.9 s of first launches and 7.5 s
-    of Inductor compiles in a cold 4-family compile, H200 session 12), on the first launch's own
+    of Inductor compiles in a cold 4-family compile on the H200), on the first launch's own
     inputs (no second set held). Each side waits, with a timeout, for the other to have started:
     both see the other only if they run at once."""
     import threading
@@ -403,7 +403,7 @@ def _ce_meta_call(rows, classes):
 @pytest.mark.parametrize("large", [True, False], ids=["above_threshold", "below"])
 def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     """Route timing holds a cross-entropy backward's logits, not also their gradient, when the
-    logits are large (H200, session 11: 0.98 GiB of logits and 0.98 GiB of gradient made the
+    logits are large (on the H200: 0.98 GiB of logits and 0.98 GiB of gradient made the
     tuner's peak). Both routes then write the functional op's gradient over the logits, our
     kernels through the functional op's autotuner (which keeps no copy of the logits); the
     direction keeps the functional op's name, under which the decision is stored."""
