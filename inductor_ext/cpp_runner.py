@@ -17,8 +17,8 @@ from pathlib import Path
 import filelock
 import torch
 
-from inductor_ext.autotune.database import cache_dir
 from inductor_ext.tensor_file import read_tensors, write_tensors
+from inductor_ext.tuning.database import cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
@@ -33,7 +33,9 @@ class RunnerResult:
 def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path:
     """Path of the ``aoti_runner`` executable, building it with CMake if needed (~20 s)."""
     if not (source_dir / "CMakeLists.txt").is_file():
-        raise FileNotFoundError(f"build_runner: no CMakeLists.txt in {source_dir}; the C++ runner builds from a source checkout")
+        raise FileNotFoundError(
+            f"build_runner: no CMakeLists.txt in {source_dir}; the C++ runner builds from a source checkout"
+        )
     build_dir = build_dir or cache_dir() / f"aoti_runner-torch{torch.__version__}"
     executable = build_dir / "aoti_runner"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +48,9 @@ def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -
         for command in (configure, [_cmake(), "--build", str(build_dir), "--parallel"]):
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
-                raise RuntimeError(f"build_runner: {' '.join(command[:2])} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"build_runner: {' '.join(command[:2])} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+                )
     return executable
 
 
@@ -58,7 +62,9 @@ def _cmake() -> str:
     try:
         import cmake  # type: ignore[import-not-found]
     except ImportError as error:
-        raise FileNotFoundError("build_runner: cmake not found; `pip install cmake` or install it system-wide") from error
+        raise FileNotFoundError(
+            "build_runner: cmake not found; `pip install cmake` or install it system-wide"
+        ) from error
     return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
 
 
@@ -71,7 +77,16 @@ def run_package(
     with tempfile.TemporaryDirectory() as tmp:
         inputs_file, outputs_file = Path(tmp) / "inputs.bin", Path(tmp) / "outputs.bin"
         write_tensors(inputs_file, inputs)
-        command = [str(runner), str(package), str(inputs_file), str(outputs_file), "--iters", str(iters), "--device", device]
+        command = [
+            str(runner),
+            str(package),
+            str(inputs_file),
+            str(outputs_file),
+            "--iters",
+            str(iters),
+            "--device",
+            device,
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"aoti_runner failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

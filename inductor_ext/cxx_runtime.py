@@ -1,7 +1,7 @@
 """Put the C++ runtime this process already uses into the global symbol scope before an
 AOTInductor package is loaded (the fix for the H200 image's load segfault).
 
-Cause (found with ``scripts/aoti_load_diag.py``; evidence in docs/export.md): the image's
+Cause (evidence in docs/export.md): the image's
 ``g++`` (``/opt/gcc/bin/g++``, a wrapper around ``g++-real`` 13.3) links the package's
 wrapper ``.so`` with its own static copy of libstdc++: the ``.so`` lists no
 ``libstdc++.so.6`` among its NEEDED libraries yet defines 535 locale and 28 regex

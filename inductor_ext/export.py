@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.cxx_runtime import promote_cxx_runtime
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
+from inductor_ext.tuning.database import TuningDatabase
 
 
 class ExportError(ValueError):

@@ -1,5 +1,7 @@
 """Drop-in ``nn.Module`` s calling the fastops functional ops."""
 
+from typing import overload
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,12 @@ class RMSNorm(torch.nn.RMSNorm):
             raise ValueError(f"RMSNorm: normalized_shape must be one dimension, got {self.normalized_shape}")
         self.offset = offset
         self.casting = casting
+
+    @overload
+    def forward(self, x: Tensor, residual: None = None) -> Tensor: ...
+
+    @overload
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """``norm(x)``; with ``residual``, ``(norm(h), h)`` for ``h = x + residual`` in one kernel

@@ -4,7 +4,6 @@
 #                                             $PARALLEL at a time (default 4), each under $PER_FILE_TIMEOUT s
 #                                             (default 240; then SIGABRT, so faulthandler prints where it hung), failures summarised
 #   bash scripts/h200.sh bench [ops...]       side-by-side benchmarks (default: every op) + quickstart
-#   bash scripts/h200.sh diag                 AOTInductor load diagnosis (scripts/aoti_load_diag.py)
 # The device returns at most 8 files from $OUT, so everything is written to $LOGS and
 # bundled into $OUT/results.tgz on exit (keep each phase under the call's 600 s).
 set -uo pipefail
@@ -29,9 +28,6 @@ if [ "$what" = tests ]; then
     run_test_file "$file" &
   done
   wait
-elif [ "$what" = diag ]; then
-  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 20 "${DIAG_TIMEOUT:-240}" python3 scripts/aoti_load_diag.py --device cuda --out "$LOGS" > "$LOGS/diag.log" 2>&1
-  echo "== diag rc=$?"; tail -c 5000 "$LOGS/diag.log"
 else
   ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS; print(*OPS, *MODEL_BENCHES)")}
   for op in $ops; do

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from inductor_ext.bench import harness
-from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS
+from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS, TOOLS
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -17,9 +17,32 @@ def test_op_benchmark_modules_follow_the_protocol(op):
     assert all(isinstance(d, int) and d > 0 for shape in bench.SHAPES for d in shape)
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_BENCHES))
-def test_model_benchmark_modules_have_a_main(name):
-    assert callable(importlib.import_module(MODEL_BENCHES[name]).main)
+@pytest.mark.parametrize("name", sorted(MODEL_BENCHES) + sorted(TOOLS))
+def test_model_benchmark_and_tool_modules_have_a_main(name):
+    assert callable(importlib.import_module({**MODEL_BENCHES, **TOOLS}[name]).main)
+
+
+def test_profile_compile_sampler_credits_the_sampled_threads():
+    import threading
+    import time
+
+    from inductor_ext.bench.profile_compile import StackSampler
+
+    done = threading.Event()
+
+    def busy_wait():
+        while not done.is_set():
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=busy_wait)
+    worker.start()
+    with StackSampler(0.002) as sampler:
+        time.sleep(0.1)
+    done.set()
+    worker.join()
+    assert sampler.samples > 0 and sampler.seconds > 0
+    assert any("busy_wait" in key for key in sampler.inclusive), sampler.report(10)
+    assert "inclusive" in sampler.report(5) and "innermost" in sampler.report(5)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""scripts/compile_cost.py: records our ops' launches on fake CUDA tensors and compiles them for
+"""``python -m inductor_ext.bench compile_cost``: records our ops' launches on fake CUDA tensors and compiles them for
 sm_90 on this CPU host (it leans on Triton internals, so CI runs it to catch a Triton change)."""
 
 import json
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+COMPILE_COST = [sys.executable, "-m", "inductor_ext.bench", "compile_cost"]
 
 
 def test_compile_cost_compiles_each_launch_for_sm90(tmp_path):
@@ -17,7 +18,7 @@ def test_compile_cost_compiles_each_launch_for_sm90(tmp_path):
     (tmp_path / "calls.json").write_text(json.dumps(calls))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_cost.py"), str(tmp_path / "calls.json")],
+        [*COMPILE_COST, str(tmp_path / "calls.json")],
         capture_output=True, text=True, env=env, check=True, timeout=600,
     ).stdout  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("rms_norm_fwd(")]
@@ -62,11 +63,11 @@ EVERY_VARIANT = [
 def test_every_config_of_every_op_passes_tritons_frontend(tmp_path):
     """``--stage ttir --configs 0``: every config a launch could offer, through Triton's frontend for
     sm_90. The interpreter CI runs the kernels under does not check types: a loop-carried variable
-    that changed dtype ran there and failed to compile on the H200 (session 11, LayerNorm's
+    that changed dtype ran there and failed to compile on the H200 (LayerNorm's
     forward). Runs in about 20 s here."""
     (tmp_path / "calls.json").write_text(json.dumps([{"op": op, "args": args} for op, args in EVERY_VARIANT]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
-    script = [sys.executable, str(ROOT / "scripts" / "compile_cost.py"), str(tmp_path / "calls.json")]
+    script = [*COMPILE_COST, str(tmp_path / "calls.json")]
     run = subprocess.run(
         [*script, "--stage", "ttir", "--configs", "0"],
         capture_output=True,
@@ -85,3 +86,12 @@ def test_every_config_of_every_op_passes_tritons_frontend(tmp_path):
     }, kernels  # fmt: skip
     runs = int(re.search(r"for (\d+) frontend runs", run.stdout).group(1))
     assert runs > len(kernels) * 4, run.stdout[-2000:]  # every config, not the first of each
+
+
+def test_the_default_call_file_loads():
+    """The call file ``compile_cost`` reads when none is given (installed with the package)."""
+    from inductor_ext.autotune.calls import load_calls
+    from inductor_ext.bench.compile_cost import DEFAULT_CALLS
+
+    ops = [call.family.name for call in load_calls(DEFAULT_CALLS)]
+    assert len(ops) == 5 and "cross_entropy" in ops, ops

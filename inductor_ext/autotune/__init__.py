@@ -1,10 +1,7 @@
-"""Tuning on random inputs built from shapes alone, the tuning database, and the standalone tuner.
+"""The standalone tuner on top of the backend (``python -m inductor_ext.autotune``).
 
-Shape-level building blocks, used by the backend's route choice
-(:mod:`inductor_ext.inductor.choice`): ``database`` (the JSON tuning database),
-``timing`` (signatures, GPU medians), ``inputs`` (realistic random inputs per op schema).
-The standalone tuner on top of the backend (``python -m inductor_ext.autotune``):
 ``calls`` (op calls and call files), ``trace`` (a model's calls, traced on meta tensors),
 ``tune`` (into the database), ``report`` (progress and tables), ``__main__`` (the CLI).
+The database, timing and random inputs it uses live in :mod:`inductor_ext.tuning`.
 See docs/autotune.md.
 """

@@ -7,7 +7,7 @@
     python -m inductor_ext.autotune clear
 
 The database lives under ``$INDUCTOR_EXT_CACHE_DIR`` (see
-:mod:`inductor_ext.autotune.database`); docs/autotune.md has the whole story.
+:mod:`inductor_ext.tuning.database`); docs/autotune.md has the whole story.
 """
 
 import argparse
@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from inductor_ext.autotune.calls import OpCall, load_calls, parse_dtype
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.report import (
     decision_row,
     entry_rows,
@@ -29,6 +28,7 @@ from inductor_ext.autotune.trace import calls_from_entry, calls_from_hf_config
 from inductor_ext.autotune.tune import record_untuned, tune_calls
 from inductor_ext.inductor.choice import device_name
 from inductor_ext.inductor.options import parse_options
+from inductor_ext.tuning.database import TuningDatabase
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import meta_templates, signature
 from inductor_ext.ops._library import FAMILIES, OpFamily
+from inductor_ext.tuning.timing import meta_templates, signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,9 @@ def load_calls(path: Path) -> list[OpCall]:
         try:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
-            raise ValueError(f"call file {path}: YAML needs the PyYAML package (pip install pyyaml), or write JSON") from None
+            raise ValueError(
+                f"call file {path}: YAML needs the PyYAML package (pip install pyyaml), or write JSON"
+            ) from None
         try:
             entries = yaml.safe_load(text)
         except yaml.YAMLError as error:
@@ -145,7 +147,9 @@ def _parse_tensor(value: Any, where: str) -> torch.Tensor:
         raise ValueError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
     stride = value.get("stride")
     if stride is not None and not (_int_list(stride) and len(stride) == len(shape)):
-        raise ValueError(f"{where}: stride must be a list of {len(shape)} non-negative ints (one per dim), got {stride!r}")
+        raise ValueError(
+            f"{where}: stride must be a list of {len(shape)} non-negative ints (one per dim), got {stride!r}"
+        )
     try:
         dtype = parse_dtype(value["dtype"])
     except ValueError as error:

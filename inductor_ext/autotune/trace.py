@@ -27,7 +27,9 @@ ModelSpec = tuple[torch.nn.Module, Sequence[Any] | Mapping[str, Any]]
 """What an entry function returns: ``(model, example input shapes)``."""
 
 
-def trace_calls(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], grad: bool = True) -> list[OpCall]:
+def trace_calls(
+    model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], grad: bool = True
+) -> list[OpCall]:
     """The rewritten fastops calls of ``model(*args, **kwargs)`` (meta model and inputs)."""
     found: list[OpCall] = []
 
@@ -88,7 +90,9 @@ def calls_from_hf_config(path: Path, batch: int, seq: int, dtype: torch.dtype, g
         # transformers >= 4.56 names the argument ``dtype`` (5.x warns on ``torch_dtype``)
         dtype_arg = "torch_dtype" if transformers.__version__.startswith(("2.", "3.", "4.")) else "dtype"
         model = transformers.AutoModelForCausalLM.from_config(config, **{dtype_arg: dtype})
-    inputs: dict[str, Any] = {n: torch.empty((batch, seq), dtype=torch.int64, device="meta") for n in ("input_ids", "labels")}
+    inputs: dict[str, Any] = {
+        n: torch.empty((batch, seq), dtype=torch.int64, device="meta") for n in ("input_ids", "labels")
+    }
     inputs["use_cache"] = False
     return trace_calls(model, (), inputs, grad)
 

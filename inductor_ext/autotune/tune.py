@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from inductor_ext.autotune.calls import OpCall
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.autotune.report import progress
 from inductor_ext.inductor.choice import RouteDecision, decide_routes, route_key
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import thorough_benchmarks
+from inductor_ext.tuning.database import TuningDatabase
 
 UNTUNED = {"status": "untuned"}
 
@@ -34,7 +34,9 @@ def record_untuned(calls: Sequence[OpCall], database: TuningDatabase) -> None:
     database.update({route_key(call.op, call.signature, "cpu"): dict(UNTUNED) for call in calls})
 
 
-def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions) -> list[RouteDecision]:
+def tune_calls(
+    calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions
+) -> list[RouteDecision]:
     """Decisions (forward and backward) for every call on ``device``, a GPU. A call whose
     random inputs do not fit in the GPU's free memory is skipped with a warning (nothing stored).
     Our kernels' configs are timed with Triton's full benchmark budget (:func:`thorough_benchmarks`)."""
@@ -50,5 +52,7 @@ def tune_calls(calls: Sequence[OpCall], database: TuningDatabase, device: torch.
                 decisions.extend(decide_routes(call.family, call.args, options, database, device))
         except torch.OutOfMemoryError as error:
             torch.cuda.empty_cache()
-            log.warning("out of GPU memory tuning %s%s, skipped: %s", call.op, call.signature, str(error).splitlines()[0])
+            log.warning(
+                "out of GPU memory tuning %s%s, skipped: %s", call.op, call.signature, str(error).splitlines()[0]
+            )
     return decisions

@@ -1,5 +1,12 @@
+<<<<<<< HEAD
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``, or
 ``python -m inductor_ext.bench backend|export|autotune|train [options]`` for the model-level benchmarks.
+=======
+"""``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``,
+``python -m inductor_ext.bench backend|export|autotune [options]`` for the model-level benchmarks, or
+``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile [options]`` for the
+developer tools (compile cost of our kernels, compile-time A/B, compile profile).
+>>>>>>> repo-code
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
@@ -32,13 +39,24 @@ MODEL_BENCHES = {
 }
 """Model-level benchmarks, each with its own ``main(argv)``: ``python -m inductor_ext.bench backend --help``."""
 
+TOOLS = {
+    "compile_cost": "inductor_ext.bench.compile_cost",
+    "compile_time_ab": "inductor_ext.bench.compile_time_ab",
+    "profile_compile": "inductor_ext.bench.profile_compile",
+}
+"""Developer tools, each with its own ``main(argv)``: our kernels' compile cost for sm_90 on a CPU host
+(no GPU needed), a compile-time A/B of an environment variable, a sampling profile of a compile."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in MODEL_BENCHES:
-        return int(importlib.import_module(MODEL_BENCHES[argv[0]]).main(argv[1:]))
+    subcommands = {**MODEL_BENCHES, **TOOLS}
+    if argv and argv[0] in subcommands:
+        return int(importlib.import_module(subcommands[argv[0]]).main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", description=__doc__)
-    parser.add_argument("op", choices=OPS, help=f"an op, or {' / '.join(MODEL_BENCHES)} (see their --help)")
+    parser.add_argument(
+        "op", choices=OPS, help=f"an op, or {' / '.join({**MODEL_BENCHES, **TOOLS})} (see their --help)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for JSON and PNG")
     parser.add_argument("--shapes", nargs="*", default=None, help="MxN shapes (default: the op's list)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

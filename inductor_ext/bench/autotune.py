@@ -1,5 +1,5 @@
 """``python -m inductor_ext.bench autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1] [--parts a b c]``:
-the standalone autotuner against issue 5's targets. (a) and (b) take about 2 minutes on an H200,
+the standalone autotuner against its targets (below). (a) and (b) take about 2 minutes on an H200,
 (c) over 5 (five fresh processes, each compiling from empty caches): give (c) its own device call.
 
 What is measured:
@@ -51,8 +51,6 @@ import torch
 
 import inductor_ext
 from inductor_ext.autotune.calls import OpCall
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
 from inductor_ext.bench.harness import (
@@ -68,6 +66,8 @@ from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import DirectLaunch, candidate_configs, force_launch_config, record_autotuned_launches
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.inputs import random_inputs
 
 LLAMA_3_8B: dict[str, Any] = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -113,10 +113,10 @@ def _compile_times(args: Any) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
     parser.add_argument("--hidden", type=int, default=4096)
-    times = parser.add_mutually_exclusive_group()
-    times.add_argument("--no-compile-times", action="store_true",
+    compile_times = parser.add_mutually_exclusive_group()
+    compile_times.add_argument("--no-compile-times", action="store_true",
                        help="skip the fresh-process compile times (about half of the run)")  # fmt: skip
-    times.add_argument("--compile-times-only", action="store_true",
+    compile_times.add_argument("--compile-times-only", action="store_true",
                        help="only the fresh-process compile times (about half of the run)")  # fmt: skip
     parser.add_argument("--compile-providers", nargs="+", choices=COMPILE_PROVIDERS, default=list(COMPILE_PROVIDERS),
                         metavar="PROVIDER", help=f"whose compile times to take (default: all of {', '.join(COMPILE_PROVIDERS)}); "
@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     times = interleaved_replay_ms(graphs)
     for name, graph in graphs.items():
         in_graph = graph_kernel_us(graph)
-        report["providers"][name].update(kernel_us_by_class_graph=kernel_us_by_class(in_graph), kernel_us_graph=in_graph)
+        report["providers"][name].update(
+            kernel_us_by_class_graph=kernel_us_by_class(in_graph), kernel_us_graph=in_graph
+        )
     for name, ms in times.items():
         ratios = [base / own for base, own in zip(times["torch_compile"], ms)]
         deciles, ratio_deciles = statistics.quantiles(ms, n=10), statistics.quantiles(ratios, n=10)

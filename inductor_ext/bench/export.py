@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             ms, p20, p80 = do_bench_median(functools.partial(fn, x))
             report["providers"][name] = {"ms": ms, "p20": p20, "p80": p80, "rel_err_vs_fp32": rel_err(out, ref)}
         cpp = run_package(package, [x], device="cuda", iters=50)
-        report["providers"]["cpp_runner"] = {"ms": cpp.latency_ms, "rel_err_vs_fp32": rel_err(cpp.outputs[0].cuda(), ref)}
+        report["providers"]["cpp_runner"] = {
+            "ms": cpp.latency_ms,
+            "rel_err_vs_fp32": rel_err(cpp.outputs[0].cuda(), ref),
+        }
     base = report["providers"]["fastops_backend"]["ms"]
     for name, r in report["providers"].items():
         rows.append((name, f"{r['ms']:.3f}", f"{r['ms'] / base:.3f}", f"{r['rel_err_vs_fp32']:.2e}"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.timing import capture_graph, graph_replay_ms, replay_ms
+from inductor_ext.tuning.timing import capture_graph, graph_replay_ms, replay_ms
 
 Inputs = dict[str, Any]
 
@@ -172,7 +172,7 @@ def bench_graph_median(
     fn: Callable[[], Any], calls_per_graph: int = 10, replays: int = 30
 ) -> tuple[float, float, float]:
     """(median, 20th, 80th percentile) ms per call from replays of a CUDA graph of ``calls_per_graph``
-    calls (:func:`inductor_ext.autotune.timing.graph_replay_ms`); autograd backward inside the
+    calls (:func:`inductor_ext.tuning.timing.graph_replay_ms`); autograd backward inside the
     capture is supported by PyTorch (whole-network capture)."""
     times = graph_replay_ms([fn] * calls_per_graph, replays)
     deciles = statistics.quantiles(times, n=10)
@@ -190,7 +190,7 @@ def interleaved_replay_ms(
     """GPU ms per call of each graph's function in each of ``rounds`` rounds, the graphs replayed in
     turn within each round: clock and thermal drift then hits every function alike, and per-round
     ratios cancel it. The order rotates from round to round (:func:`rotated_order`), so no graph
-    always follows the same one or holds the same place in a round (session 7's decoder bench
+    always follows the same one or holds the same place in a round (an earlier decoder bench
     replayed eager, torch.compile, then the backend's three routes in a fixed order, and the
     graph-minus-stream time grew with the place: +0.81, +1.37, +1.38, +1.99 ms)."""
     times: dict[str, list[float]] = {name: [] for name in graphs}

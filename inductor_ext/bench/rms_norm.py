@@ -119,7 +119,7 @@ def host_overhead_us(n: int = 4096, calls: int = 500, rounds: int = 15) -> dict[
 
 
 def route_check(results: list[Result]) -> dict[str, float]:
-    """Per (mode, shape): the ``"auto"`` route's time over the faster forced route's (issue 3: within 1.03)."""
+    """Per (mode, shape): the ``"auto"`` route's time over the faster forced route's (target: within 1.03)."""
     by_case: dict[str, dict[str, float]] = {}
     for r in results:
         by_case.setdefault(f"{r.mode} {r.shape}", {})[r.provider] = r.ms

@@ -37,7 +37,7 @@ def _make_inputs(b: int, hq: int, hk: int, s: int, d: int, dtype: torch.dtype) -
         return {
             # leaves with the projection's (B, S, H, D) memory layout, as HF's q and k have. (With
             # q, k as views of requires-grad projections, the hf_eager fwd+bwd broke CUDA-graph
-            # capture on the H200 in session 3; cause not established, untested whether this helps.)
+            # capture on the H200; cause not established, untested whether this helps.)
             "q": q_proj.transpose(1, 2).requires_grad_(),
             "k": k_proj.transpose(1, 2).requires_grad_(),
             "cos": emb.cos().to(dtype),

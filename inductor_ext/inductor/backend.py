@@ -22,7 +22,6 @@ from typing import Any, cast
 import torch
 from torch._dynamo import register_backend
 
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
@@ -30,6 +29,7 @@ from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.patterns import apply_rewrites
 from inductor_ext.ops._library import route_ops
+from inductor_ext.tuning.database import TuningDatabase
 
 BACKEND_NAME = "fastops_inductor"
 
@@ -52,8 +52,8 @@ def fastops_inductor(
     ours, inductor_options = parse_options(options)
     # Inductor's compile workers take seconds to start, and until they are up Inductor compiles
     # each Triton kernel's configs in this process, one by one: start them now, as the "inductor"
-    # backend does (route timing compiles the ops' math before the graph). On the H200 (session
-    # 13) this did not measurably shorten route timing: the workers were not up in time for it.
+    # backend does (route timing compiles the ops' math before the graph). On the H200 this did
+    # not measurably shorten route timing: the workers were not up in time for it.
     maybe_warm_pool()
     if ours.causal_mask:
         rewrite_causal_masks(gm, assume_no_padding=ours.assume_no_padding)

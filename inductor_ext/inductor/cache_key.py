@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_VERSIONED_DIRS = ("ops", "kernels", "inductor", "autotune")
+_VERSIONED_DIRS = ("ops", "kernels", "inductor", "tuning", "autotune")
 
 
 @functools.cache

@@ -24,10 +24,6 @@ import torch
 from torch._dynamo.utils import counters
 from torch._ops import OpOverload
 
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.inputs import random_inputs
-from inductor_ext.autotune.kernel_configs import records as kernel_records
-from inductor_ext.autotune.timing import median_ms, meta_templates, signature
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._library import (
     DECOMPOSITIONS,
@@ -38,6 +34,10 @@ from inductor_ext.ops._library import (
     DirectLaunch,
     OpFamily,
 )
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.inputs import random_inputs
+from inductor_ext.tuning.kernel_configs import records as kernel_records
+from inductor_ext.tuning.timing import median_ms, meta_templates, signature
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RouteDecision:
     inductor_ms: float | None = None
     kernel_spread_ms: float | None = None
     inductor_spread_ms: float | None = None
-    """Interdecile spreads of the timings (:func:`inductor_ext.autotune.timing.median_ms`)."""
+    """Interdecile spreads of the timings (:func:`inductor_ext.tuning.timing.median_ms`)."""
 
 
 def route_key(fwd_name: str, sig: str, device_name: str) -> str:
@@ -129,12 +129,16 @@ class RoutePlanner:
 
 
 def decide_routes(
-    family: OpFamily, args: Sequence[Any], options: BackendOptions, database: TuningDatabase | None, device: torch.device
+    family: OpFamily,
+    args: Sequence[Any],
+    options: BackendOptions,
+    database: TuningDatabase | None,
+    device: torch.device,
 ) -> list[RouteDecision]:
     """The route decisions of a forward call and its backward on ``device`` (a GPU): read from
     ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
     timed), else measured and stored there, with the launch config the timing picked for each
-    of our kernels (:mod:`inductor_ext.autotune.kernel_configs`: traced launches then offer
+    of our kernels (:mod:`inductor_ext.tuning.kernel_configs`: traced launches then offer
     Inductor that config alone). The backend and the standalone autotuner
     (``python -m inductor_ext.autotune``) both decide through here.
     """
@@ -155,7 +159,7 @@ def measure_routes(
     """Time the forward and the backward on both routes at these shapes; one decision each.
 
     ``fake_args`` give shapes and dtypes only (fake, meta or real tensors); the random
-    inputs (:func:`inductor_ext.autotune.inputs.random_inputs`) are made on ``device``
+    inputs (:func:`inductor_ext.tuning.inputs.random_inputs`) are made on ``device``
     (default: the first argument's device).
 
     Runs on a worker thread: the caller may be inside Dynamo's compile (a tracing context,
@@ -190,7 +194,9 @@ def _measure_routes(
         with _stage(stages, f"{op._name} kernel timing"):
             kernel_ms, kernel_spread = time_direct(op, templates, direct, device)
         with _stage(stages, f"{op._name} inductor timing"):
-            inductor_ms, inductor_spread = median_ms(compiled[op], functools.partial(random_inputs, op, templates, device))
+            inductor_ms, inductor_spread = median_ms(
+                compiled[op], functools.partial(random_inputs, op, templates, device)
+            )
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
             op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
@@ -311,7 +317,9 @@ def _compile_math_on(
         return compile_math(math, args, options)
 
 
-def compile_math(math: Callable[..., Any], args: Sequence[Any], options: BackendOptions) -> Callable[[Sequence[Any]], Any]:
+def compile_math(
+    math: Callable[..., Any], args: Sequence[Any], options: BackendOptions
+) -> Callable[[Sequence[Any]], Any]:
     """Inductor's code for ``math`` at these arguments (tensors become graph inputs)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx

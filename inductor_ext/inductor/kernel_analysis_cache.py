@@ -6,8 +6,8 @@ Tracing a ``wrap_triton`` launch (our kernel route) asks
 lowers the kernel to TTIR with Triton's front end and walks it, and nothing is cached: the
 functionalization of every launch asks (once while AOTAutograd collects metadata, again while it
 traces the joint graph) and Inductor asks again for every kernel it lowers. A decoder repeats
-the same launches layer after layer; on the H200 (session 10, ``scripts/profile_compile.py``, a
-4-layer decoder under the kernel route) these analyses took 3.9 s of a 25 s compile, on the
+the same launches layer after layer; on the H200 (``python -m inductor_ext.bench profile_compile``,
+a 4-layer decoder under the kernel route) these analyses took 3.9 s of a 25 s compile, on the
 compiling thread.
 
 The answer depends only on the kernel's source and on what the TTIR is specialised on:
@@ -121,6 +121,6 @@ def installed_memo() -> tuple[str, Callable[..., Any]] | None:
 
     for name in ANALYSIS_FUNCTIONS:
         analysis = getattr(triton_kernel_wrap, name, None)
-        if getattr(analysis, "memoized_by_inductor_ext", False):
+        if analysis is not None and getattr(analysis, "memoized_by_inductor_ext", False):
             return name, analysis
     return None

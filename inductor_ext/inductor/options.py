@@ -94,11 +94,15 @@ def parse_options(
     elif "triton.multi_kernel" in options or "TORCHINDUCTOR_MULTI_KERNEL" in env:
         multi_kernel = None
     else:
-        multi_kernel = int(env["INDUCTOR_EXT_MULTI_KERNEL"]) if "INDUCTOR_EXT_MULTI_KERNEL" in env else default_multi_kernel
+        multi_kernel = (
+            int(env["INDUCTOR_EXT_MULTI_KERNEL"]) if "INDUCTOR_EXT_MULTI_KERNEL" in env else default_multi_kernel
+        )
 
     patterns = ours.get("patterns", env_flag(env, "INDUCTOR_EXT_PATTERNS", True))
     # a process-wide torch._inductor.config.cpp_wrapper counts too (it needs compile-time autotuning as well)
-    cpp_wrapper = bool(options.pop("cpp_wrapper", env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper)))
+    cpp_wrapper = bool(
+        options.pop("cpp_wrapper", env_flag(env, "INDUCTOR_EXT_CPP_WRAPPER", inductor_config.cpp_wrapper))
+    )
     causal_mask = ours.get("causal_mask", env_flag(env, "INDUCTOR_EXT_CAUSAL_MASK", True))
     assume_no_padding = ours.get("assume_no_padding", env_flag(env, "INDUCTOR_EXT_ASSUME_NO_PADDING", False))
     parsed = BackendOptions(

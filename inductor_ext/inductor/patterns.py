@@ -70,7 +70,9 @@ def _value(node: Any) -> Any:
 def _is_call(node: Any, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> TypeGuard[Node]:
     if not isinstance(node, Node):
         return False
-    return (node.op == "call_function" and node.target in functions) or (node.op == "call_method" and node.target in methods)
+    return (node.op == "call_function" and node.target in functions) or (
+        node.op == "call_method" and node.target in methods
+    )
 
 
 def _binary_operands(node: Any, functions: tuple[Any, ...], method: str) -> tuple[Any, Any] | None:
@@ -185,7 +187,16 @@ def _rms_core(rsqrt: Node) -> tuple[Any, Any, float] | None:
     square = mean.args[0]
     dim = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
     h = None
-    if _is_call(square, (torch.pow, operator.pow), ("pow",)) and len(square.args) == 2 and square.args[1] == 2 or _is_call(square, _MUL, ("mul",)) and len(square.args) == 2 and square.args[0] is square.args[1] or _is_call(square, (torch.square,), ("square",)) and len(square.args) == 1:
+    if (
+        _is_call(square, (torch.pow, operator.pow), ("pow",))
+        and len(square.args) == 2
+        and square.args[1] == 2
+        or _is_call(square, _MUL, ("mul",))
+        and len(square.args) == 2
+        and square.args[0] is square.args[1]
+        or _is_call(square, (torch.square,), ("square",))
+        and len(square.args) == 1
+    ):
         h = square.args[0]
     if not isinstance(h, Node):
         return None
@@ -291,7 +302,11 @@ def _torch_rms_norm(node: Node) -> Node | None:
     if not isinstance(x, Node):
         return None
     xv = _value(x)
-    if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or xv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if (
+        not isinstance(xv, torch.Tensor)
+        or xv.dim() < 2
+        or xv.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    ):
         return None
     if not isinstance(shape, (list, tuple, torch.Size)) or len(shape) != 1 or shape[0] != xv.shape[-1]:
         return None
@@ -316,12 +331,14 @@ def _add_rms_norm(node: Node) -> Node | None:
     Only when x and r have h's shape and dtype (no broadcasting or promotion) and every other use
     of h comes after the norm (the fused op defines h there).
     """
-    if not _is_call(node, (rms_norm_family.fwd,)) or not _is_call(node.args[0], (), ("reshape",)):
+    if not _is_call(node, (rms_norm_family.fwd,)):
         return None
     rows = node.args[0]
+    if not _is_call(rows, (), ("reshape",)):
+        return None
     h = rows.args[0]
     operands = _binary_operands(h, _ADD, "add")
-    if operands is None or len(rows.users) != 1:
+    if operands is None or not isinstance(h, Node) or len(rows.users) != 1:
         return None
     hv = _value(h)
     for t in operands:
@@ -449,7 +466,14 @@ def _cross_entropy(node: Node) -> Node | None:
     lv, tv, out = _value(logits), _value(labels), _value(node)
     if not isinstance(lv, torch.Tensor) or not isinstance(tv, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
-    if lv.dim() != 2 or tv.dim() != 1 or tv.dtype not in (torch.int64, torch.int32) or lv.dtype not in _SUPPORTED_FLOATS:
+    if not isinstance(logits, Node):  # a tensor in a Dynamo graph is always a node
+        return None
+    if (
+        lv.dim() != 2
+        or tv.dim() != 1
+        or tv.dtype not in (torch.int64, torch.int32)
+        or lv.dtype not in _SUPPORTED_FLOATS
+    ):
         return None
     if not isinstance(ignore_index, int) or reduction not in ("mean", "sum", "none"):
         return None
@@ -536,7 +560,9 @@ def _rope(node: Node) -> Node | None:
     q, cos, sin, d, cos_u = matched
     # the partner rotation multiplies by the same unsqueezed cos (HF unsqueezes once for q and k)
     candidates = [add for mul in cos_u.users for add in mul.users if add is not node and add.users]
-    partners = [(c, r) for c in candidates if (r := _rotary(c)) is not None and r[1:4] == (cos, sin, d) and r[0] is not q]
+    partners = [
+        (c, r) for c in candidates if (r := _rotary(c)) is not None and r[1:4] == (cos, sin, d) and r[0] is not q
+    ]
     if not partners:
         return None
     k_node, k = partners[0][0], partners[0][1][0]

@@ -91,8 +91,8 @@ def _two_reductions_rank(config: NormConfig, block: int) -> tuple[int, int, int]
     prefer persistent, at least two rows and 8192 elements per step, 32 values per thread.
 
     Two rows per program keep a second row's reductions in flight while one waits. The H200's
-    full timing of every config picked exactly these at 2048, 4096 and 8192 elements (session 7:
-    4, 2, 2 rows; 8, 8, 16 warps). Session 9 timed them 8% (32768 x 4096) and 32% (16384 x 8192)
+    full timing of every config picked exactly these at 2048, 4096 and 8192 elements (4, 2, 2
+    rows; 8, 8, 16 warps). A later H200 run timed them 8% (32768 x 4096) and 32% (16384 x 8192)
     faster than the one-row configs :func:`_heuristic_rank` puts first, which is all a quick
     first launch's four configs had held.
     """

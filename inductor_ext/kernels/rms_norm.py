@@ -239,6 +239,8 @@ def rms_norm_bwd_kernel(
                     tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)
                 dx = rstd * (g - xhat * c1)
                 if HAS_DRES:
-                    dres = tl.load(DRES + row64 * stride_dres + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
+                    dres = tl.load(
+                        DRES + row64 * stride_dres + cols, mask=col_mask, other=0.0, eviction_policy="evict_first"
+                    )
                     dx += dres.to(tl.float32)
                 tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)

@@ -102,7 +102,7 @@ def search_space(n_q_heads: int, n_k_heads: int, half_pad: int, pass_pad: int = 
 def _heuristic_rank(config: RoPEConfig, top: int, width: int, widest: int) -> tuple[bool, int, bool, bool]:
     """Prefer 16 elements per thread in the widest load, then tiles nearest 4096 elements (the
     smaller of two equally near), then the full head block. Every config the H200 picked at the
-    benchmark shapes (sessions 7 and 8) had 16 elements per thread, in tiles of 2048 or 4096
+    benchmark shapes had 16 elements per thread, in tiles of 2048 or 4096
     elements, with either head block."""
     elements = config.block_t * config.block_h * width
     per_thread = config.block_t * config.block_h * widest // (32 * config.num_warps)

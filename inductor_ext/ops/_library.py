@@ -37,8 +37,8 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.kernel_configs import (
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.kernel_configs import (
     LAUNCH_OPTIONS,
     LaunchSignature,
     device_name_of,
@@ -127,7 +127,7 @@ def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, 
 class TraceableLaunch:
     """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel.
 
-    A config recorded in the tuning database for this launch (:mod:`inductor_ext.autotune.kernel_configs`)
+    A config recorded in the tuning database for this launch (:mod:`inductor_ext.tuning.kernel_configs`)
     is the only one the traced kernel offers, so Inductor emits it and benchmarks nothing.
     """
 
@@ -247,7 +247,7 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
     this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
     Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
     only the compile to a worker thread; leaving the mode installs the kernels in the cache.
-    Inductor's compile-worker processes were tried instead (session 6, H200): slower, since each
+    Inductor's compile-worker processes were tried instead (on the H200): slower, since each
     worker imports the package on its first job (RMSNorm's 28 configs: 17.8 s against 6.5 s on
     threads in a fresh process; 6.5 s against 5.8 s with the pool already up).
     """
@@ -265,8 +265,8 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
 QUICK_FIRST_LAUNCH_CONFIGS = 4
 """Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
 space, heuristic's favourite first (:mod:`inductor_ext.kernels.ranking`). Compiling and timing
-every config was most of a cold ``fastops_inductor`` compile (H200, session 8, 4-layer decoder:
-96 configs, 13.9 s of first launches in a 31.5 s compile). In session 7's re-timing of every config
+every config was most of a cold ``fastops_inductor`` compile (H200, 4-layer decoder: 96 configs,
+13.9 s of first launches in a 31.5 s compile). In a re-timing of every config on the H200
 at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
 (2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
 The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
@@ -320,7 +320,7 @@ def quick_first_launch(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str,
 def thorough_benchmarks() -> Iterator[None]:
     """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
     :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's
-    setting, where a pick matters more than the seconds (H200, session 7, Llama-3-8B shapes: the
+    setting, where a pick matters more than the seconds (H200, Llama-3-8B shapes: the
     worst pick was 4.2% off the best re-timed config with the short budget, 2.4% with the full one)."""
     previous = DirectLaunch.quick_first_launch
     DirectLaunch.quick_first_launch = False

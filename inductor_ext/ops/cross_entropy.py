@@ -360,7 +360,9 @@ _bwd_inplace = define_mutating_op(
 def _timed_bwd_inplace_kernels(
     launch: Launch, grad_output: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, *options: Any
 ) -> None:
-    launch_cross_entropy_bwd(launch, grad_output, logits, logits, labels.contiguous(), lse, options, restore_logits=False)
+    launch_cross_entropy_bwd(
+        launch, grad_output, logits, logits, labels.contiguous(), lse, options, restore_logits=False
+    )
 
 
 IN_PLACE_TIMING[cross_entropy_family.bwd] = InPlaceTiming(_timed_bwd_inplace_kernels, cross_entropy_bwd_inplace_math)

@@ -85,10 +85,9 @@ def layer_norm_fwd_kernels(
 
 TWO_PASS_BACKWARD_MIN_N = 16384
 """Rows at least this long take the two-pass backward (:func:`_param_grad_partials`): there the one-kernel
-backward's whole-row dw/db accumulators spill (ptxas, sm_90, session 7: 832 bytes per thread at
+backward's whole-row dw/db accumulators spill (ptxas, sm_90: 832 bytes per thread at
 N = 16384) and it ran at 35% of its copy floor on the H200 (4096 x 16384: 256 us). Measured on
-the H200 (session 10, ``scripts/sweep_layer_norm_bwd.py``, fwd+bwd ms, two-pass / one-kernel /
-torch.compile): 4096 x 16384 0.277 / 0.356 / 0.418; 2048 x 32768 0.398 / 0.649 / 0.478; but
+the H200 (fwd+bwd ms, two-pass / one-kernel / torch.compile): 4096 x 16384 0.277 / 0.356 / 0.418; 2048 x 32768 0.398 / 0.649 / 0.478; but
 8192 x 8192 0.260 / 0.185 / 0.380, where the one-kernel backward does not spill."""
 
 
@@ -175,8 +174,7 @@ def _check_param(name: str, param: Tensor | None, x: Tensor) -> None:
         raise TypeError(f"layer_norm: {name} must be float32, bfloat16 or float16, got {param.dtype}")
     if param.shape != x.shape[-1:]:
         raise ValueError(
-            f"layer_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, "
-            f"got {tuple(param.shape)}"
+            f"layer_norm: {name} must have shape ({x.shape[-1]},) to match x's last dimension, got {tuple(param.shape)}"
         )
     if param.device != x.device:
         raise ValueError(f"layer_norm: {name} is on {param.device} but x is on {x.device}; both must be on one device")

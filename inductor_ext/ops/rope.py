@@ -36,9 +36,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POSITION_DTYPES = (torch.int32, torch.int64)
 
 
-def _tables_math(
-    cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int
-) -> tuple[Tensor, Tensor]:
+def _tables_math(cos: Tensor, sin: Tensor, position_ids: Tensor | None, unsqueeze_dim: int) -> tuple[Tensor, Tensor]:
     """cos/sin per token in fp32, shaped to broadcast against q: (B or 1, 1, S, R) or (B or 1, S, 1, R).
 
     With position_ids, rows are gathered from the (P, R) tables; a position outside
@@ -208,8 +206,6 @@ rope_family = define_op_family(
 
 # The in-place form mutates q and k, which define_op_family (functional ops with
 # autograd) does not cover: it is registered here with mutates_args, without autograd.
-
-
 
 
 def _rope_inplace_math(

@@ -21,18 +21,18 @@ import torch
 import torch.nn.functional as F
 
 import inductor_ext  # noqa: F401  (registers the ops)
-from inductor_ext.autotune import database as database_module
 from inductor_ext.autotune.__main__ import main
 from inductor_ext.autotune.calls import load_calls
-from inductor_ext.autotune.database import TuningDatabase
-from inductor_ext.autotune.inputs import IGNORED_FRACTION, random_inputs
-from inductor_ext.autotune.timing import signature
 from inductor_ext.autotune.trace import calls_from_entry
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 from inductor_ext.ops.rope import rope_family
+from inductor_ext.tuning import database as database_module
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.inputs import IGNORED_FRACTION, random_inputs
+from inductor_ext.tuning.timing import signature
 from tests.hf_spellings import LlamaRMSNorm, rotate_half
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,14 @@ class Block(torch.nn.Module):
         super().__init__()
         self.heads, self.head_dim = heads, hidden // heads
         self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(hidden), LlamaRMSNorm(hidden)
-        self.q_proj, self.k_proj = torch.nn.Linear(hidden, hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
-        self.v_proj, self.o_proj = torch.nn.Linear(hidden, hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
+        self.q_proj, self.k_proj = (
+            torch.nn.Linear(hidden, hidden, bias=False),
+            torch.nn.Linear(hidden, hidden, bias=False),
+        )
+        self.v_proj, self.o_proj = (
+            torch.nn.Linear(hidden, hidden, bias=False),
+            torch.nn.Linear(hidden, hidden, bias=False),
+        )
         self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
@@ -57,7 +63,9 @@ class Block(torch.nn.Module):
     def forward(self, h, cos, sin):
         b, s, _ = h.shape
         x = self.input_layernorm(h)
-        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
@@ -73,7 +81,9 @@ class TinyLlama(torch.nn.Module):
         self.layers = torch.nn.ModuleList(Block(hidden, intermediate, heads) for _ in range(layers))
         self.norm = LlamaRMSNorm(hidden)
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2).float() / (hidden // heads)))
+        self.register_buffer(
+            "inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2).float() / (hidden // heads))
+        )
 
     def forward(self, input_ids, labels):
         h = self.embed_tokens(input_ids)
@@ -192,7 +202,9 @@ def test_calls_file_round_trip(tmp_path, capsys):
     rms_args = (torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta"), None, 1e-6, 0.0, "llama")
     expected = {
         choice.route_key("fastops::rms_norm_fwd", signature(rms_args), "cpu"),
-        choice.route_key("fastops::cross_entropy_fwd", "(bfloat16[8192,128256], int64[8192], -100, 0.0, 0.0, 0.0, 'mean')", "cpu"),
+        choice.route_key(
+            "fastops::cross_entropy_fwd", "(bfloat16[8192,128256], int64[8192], -100, 0.0, 0.0, 0.0, 'mean')", "cpu"
+        ),
     }
     assert set(_entries()) == expected  # the duplicate call is one entry
     capsys.readouterr()
@@ -295,7 +307,9 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
     call = load_calls(path)[0]
     assert list(_entries()) == [choice.route_key("fastops::rms_norm_fwd", call.signature, "Fake GPU")]
 
-    decisions = choice.decide_routes(rms_norm_family, call.args, BackendOptions(), TuningDatabase(), torch.device("cuda"))
+    decisions = choice.decide_routes(
+        rms_norm_family, call.args, BackendOptions(), TuningDatabase(), torch.device("cuda")
+    )
     assert measured == ["rms_norm"]  # warm: read, not timed
     assert [(d.op, d.route, d.reason) for d in decisions] == [("fastops::rms_norm_fwd", "kernel", "database"),
                                                               ("fastops::rms_norm_bwd", "kernel", "database")]  # fmt: skip
@@ -327,8 +341,10 @@ def test_random_labels_and_positions_are_realistic():
 def test_random_inputs_keep_the_layout_of_the_call():
     """HF's q and k are transposed views of (B, S, H, D): RoPE picks its grid (and Triton its
     autotune key) by that layout, so timing contiguous copies timed another launch, whose config
-    record a compile then did not find (H200, session 11: _rope_kernel benchmarked in a warm compile)."""
-    (rope_call,) = [c for c in calls_from_entry("inductor_ext.bench.autotune:block", grad=False) if c.op == "fastops::rope_fwd"]
+    record a compile then did not find (seen on the H200: _rope_kernel benchmarked in a warm compile)."""
+    (rope_call,) = [
+        c for c in calls_from_entry("inductor_ext.bench.autotune:block", grad=False) if c.op == "fastops::rope_fwd"
+    ]
     q_template = rope_call.args[0]
     assert q_template.device.type == "meta" and not q_template.is_contiguous()
     made = random_inputs(rope_family.fwd, rope_call.args, "cpu")
@@ -483,9 +499,9 @@ def _ce_launch(v: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     """A config picked while timing comes back for the same launch key (and only for it), and a traced
     launch then offers Inductor that config alone, restore_value kept."""
-    from inductor_ext.autotune.kernel_configs import records, stored_config
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
     from inductor_ext.ops._library import DirectLaunch, pruned_autotuner
+    from inductor_ext.tuning.kernel_configs import records, stored_config
 
     args, kwargs = _ce_launch(5000)
     key = DirectLaunch()._key(kernel, args, kwargs)  # what the eager autotuner's picks are keyed by
@@ -509,8 +525,8 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
 def test_symbolic_launch_keys_have_no_stored_config():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from inductor_ext.autotune.kernel_configs import launch_signature
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel as kernel
+    from inductor_ext.tuning.kernel_configs import launch_signature
 
     args, kwargs = _ce_launch(300)
     v = ShapeEnv().create_unbacked_symint()
@@ -533,7 +549,9 @@ def test_tuning_skips_a_call_that_runs_out_of_gpu_memory(monkeypatch, tmp_path, 
 
     monkeypatch.setattr(tune, "decide_routes", decide)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    calls = [meta_call(rms_norm_family, (torch.empty(rows, 64), torch.empty(64), 1e-6, 0.0, "llama")) for rows in (8, 4096)]
+    calls = [
+        meta_call(rms_norm_family, (torch.empty(rows, 64), torch.empty(64), 1e-6, 0.0, "llama")) for rows in (8, 4096)
+    ]
     decisions = tune.tune_calls(calls, TuningDatabase(tmp_path / "db.json"), torch.device("cuda"), BackendOptions())
     assert [d.signature for d in decisions] == [calls[0].signature]
     assert "out of GPU memory tuning fastops::rms_norm_fwd(float32[4096,64]" in caplog.text

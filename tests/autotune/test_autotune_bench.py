@@ -3,10 +3,10 @@
 import torch
 
 import inductor_ext  # noqa: F401  (registers the ops)
-from inductor_ext.autotune.timing import signature
 from inductor_ext.autotune.trace import calls_from_entry
 from inductor_ext.bench.autotune import block
 from inductor_ext.inductor.choice import fastops_calls
+from inductor_ext.tuning.timing import signature
 
 
 def test_block_entry_traces_without_weights_the_calls_its_export_makes():
@@ -16,7 +16,9 @@ def test_block_entry_traces_without_weights_the_calls_its_export_makes():
     or the warm export would find nothing in the database."""
     traced = {(call.op, call.signature) for call in calls_from_entry("inductor_ext.bench.autotune:block", grad=False)}
     # the residual sums' norms (after attention, and the final one) fuse the add in both spellings
-    assert sorted(op for op, _ in traced) == [f"fastops::{op}_fwd" for op in ("add_rms_norm", "glu", "rms_norm", "rope")]
+    assert sorted(op for op, _ in traced) == [
+        f"fastops::{op}_fwd" for op in ("add_rms_norm", "glu", "rms_norm", "rope")
+    ]
     assert ("fastops::glu_fwd", "(bfloat16[2048,14336], bfloat16[2048,14336], 'silu')") in traced
 
     with torch.device("meta"):

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.autotune.database import TuningDatabase
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.rms_norm import rms_norm_family, rms_norm_ref
+from inductor_ext.tuning.database import TuningDatabase
 from tests.gpu.compile_checks import record_benchmarked_kernels, run_and_get_joined_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,7 +53,9 @@ def test_hf_config_of_a_llama_traces_every_rewritten_op(monkeypatch, tmp_path):
     args = ["tune", "--hf-config", str(tmp_path / "llama"), "--batch", "2", "--seq", "64", "--device", "cpu"]
     assert main(args) == 0
     calls = {key.split("|")[1]: key.split("|")[2] for key, _ in TuningDatabase().items() if key.startswith("route|")}
-    assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= set(calls), calls
+    assert {"fastops::rms_norm_fwd", "fastops::rope_fwd", "fastops::glu_fwd", "fastops::cross_entropy_fwd"} <= set(
+        calls
+    ), calls
     # ForCausalLMLoss upcasts, then flattens: the loss reads the bf16 logits, not an fp32 copy
     assert calls["fastops::cross_entropy_fwd"].startswith("(bfloat16[128,1000]"), calls
 
@@ -64,7 +66,7 @@ def test_route_timing_counts_gpu_time_not_host_time():
     whenever it was slower than the kernels (docs/autotune.md)."""
     import time
 
-    from inductor_ext.autotune.timing import median_ms
+    from inductor_ext.tuning.timing import median_ms
 
     def run(inputs):
         time.sleep(0.002)

@@ -14,7 +14,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 transformers = pytest.importorskip("transformers")
 
 
-
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
@@ -91,7 +90,9 @@ def test_gemma_and_torch_rms_norm_rewrites():
         module = module.cuda().to(torch.bfloat16)
         torch.nn.init.normal_(module.weight, 0.5, 0.1)
         x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-        compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True, options={"fastops.route": "kernel"})
+        compiled = torch.compile(
+            module, backend="fastops_inductor", fullgraph=True, options={"fastops.route": "kernel"}
+        )
         with torch.no_grad():
             y = compiled(x)
             y_ref = module.double()(x.double())

@@ -23,7 +23,6 @@ OPTIONS = [
 ]
 
 
-
 def _inputs(shape, dtype):
     logits = (3 * torch.randn(shape, device="cuda")).to(dtype)
     labels = torch.randint(0, shape[-1], shape[:-1], device="cuda")

@@ -19,7 +19,6 @@ flce = fused_linear_cross_entropy
 NAMES = ("loss", "dhidden", "dweight", "dbias")
 
 
-
 def _inputs(n, h, v, dtype, with_bias=False):
     hidden = torch.randn(n, h, device="cuda").to(dtype)
     weight = (2 * torch.randn(v, h, device="cuda") / h**0.5).to(dtype)
@@ -149,7 +148,7 @@ def test_peak_memory_is_one_fp32_accumulator_plus_a_chunk_or_dweight(compiled):
     # the forward holds the fp32 accumulator (4 V H bytes) with either one chunk of bf16 logits
     # (2 C V, during the loop) or the rounded bf16 dW (2 V H, after it), and dX (2 N H) twice at
     # most (the per-chunk rows and their concatenation); the backward holds less (two bf16 dW, two
-    # dX). 10% for the small rest (per-chunk fp32 dX products, row losses). Session 8's code was
+    # dX). 10% for the small rest (per-chunk fp32 dX products, row losses). An earlier version was
     # above it: eager kept the last chunk's logits beside dW (+2 C V), compiled code wrote each
     # chunk's sum into a second fp32 (V, H) buffer (+4 V H).
     model = 4 * v * h + max(2 * chunk * v, 2 * v * h) + 2 * (2 * n * h)

@@ -15,7 +15,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-5
 
 
-
 def _grads(f, x, w, b, dy):
     """(y, dx, dw, db) with b possibly None (then db is left out)."""
     x = x.detach().requires_grad_()

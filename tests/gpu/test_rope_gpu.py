@@ -29,7 +29,6 @@ CASES = [
 ]
 
 
-
 def _inputs(batch, hq, hk, seq, dim, rot, unsqueeze_dim, table, dtype):
     def heads(h):
         if unsqueeze_dim == 1:  # HF: a (B, S, H, D) projection viewed as (B, H, S, D)

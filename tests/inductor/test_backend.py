@@ -15,11 +15,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
-from inductor_ext.autotune.inputs import random_inputs
 from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
+from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (
     CausalLMLoss,
     GemmaRMSNorm,
@@ -140,7 +140,7 @@ def test_cpp_wrapper_option():
         y, code = run_and_get_code(compiled, x)
         assert rel_err(y, module(x)) < OUTPUT[torch.float32]
     assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
-    assert any("extern \"C\"" in c or "cpp_wrapper" in c or "AOTInductor" in c for c in code)
+    assert any('extern "C"' in c or "cpp_wrapper" in c or "AOTInductor" in c for c in code)
 
 
 def test_dynamic_shapes_do_not_recompile():
@@ -259,7 +259,9 @@ def test_backend_starts_inductors_compile_workers_before_route_timing(monkeypatc
     events = []
     monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("warm pool"))
     plan_graph = choice.RoutePlanner.plan_graph
-    monkeypatch.setattr(choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm))
+    monkeypatch.setattr(
+        choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm)
+    )
     torch.compile(LlamaRMSNorm(32), backend="fastops_inductor", fullgraph=True)(torch.randn(4, 32))
     assert events[:2] == ["warm pool", "plan"]
 
@@ -278,7 +280,10 @@ def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplo
     monkeypatch.setattr(choice, "decide_routes", out_of_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with FakeTensorMode():  # shapes on a "cuda" device, no GPU needed
-        x, w = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16), torch.empty(256, device="cuda", dtype=torch.bfloat16)
+        x, w = (
+            torch.empty(64, 256, device="cuda", dtype=torch.bfloat16),
+            torch.empty(256, device="cuda", dtype=torch.bfloat16),
+        )
     args = (x, w, 1e-6, 0.0, "llama")
     planner = choice.RoutePlanner(BackendOptions())
     planner.plan_call(rms_norm_family, args)
@@ -294,9 +299,9 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
     both. Timed with a CPU clock here (CUDA events on a GPU)."""
     import time
 
-    from inductor_ext.autotune import timing
     from inductor_ext.inductor import choice
     from inductor_ext.ops.rms_norm import rms_norm_family
+    from inductor_ext.tuning import timing
 
     def cpu_median_ms(run, make_inputs):
         inputs = make_inputs()
@@ -330,7 +335,7 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
 def test_route_timing_compiles_inductor_route_beside_first_launches(monkeypatch):
     """Inductor's compile of a direction's math runs on another thread while our kernels' first
     launch compiles and tunes (they were one after the other: 6.9 s of first launches and 7.5 s
-    of Inductor compiles in a cold 4-family compile, H200 session 12), on the first launch's own
+    of Inductor compiles in a cold 4-family compile on the H200), on the first launch's own
     inputs (no second set held). Each side waits, with a timeout, for the other to have started:
     both see the other only if they run at once."""
     import threading
@@ -398,7 +403,7 @@ def _ce_meta_call(rows, classes):
 @pytest.mark.parametrize("large", [True, False], ids=["above_threshold", "below"])
 def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     """Route timing holds a cross-entropy backward's logits, not also their gradient, when the
-    logits are large (H200, session 11: 0.98 GiB of logits and 0.98 GiB of gradient made the
+    logits are large (on the H200: 0.98 GiB of logits and 0.98 GiB of gradient made the
     tuner's peak). Both routes then write the functional op's gradient over the logits, our
     kernels through the functional op's autotuner (which keeps no copy of the logits); the
     direction keeps the functional op's name, under which the decision is stored."""
@@ -410,7 +415,9 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
     launched = []
     direct = _library._DIRECT
-    monkeypatch.setattr(_library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1])
+    monkeypatch.setattr(
+        _library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1]
+    )
     fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
     assert (fwd.op, bwd.op) == (cross_entropy_family.fwd, cross_entropy_family.bwd)
     # one backward launch (its first), after the forward: none while its arguments were captured

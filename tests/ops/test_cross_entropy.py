@@ -104,7 +104,7 @@ def test_options_match_float64(kw, dtype):
 
 def test_quick_first_launch_includes_the_full_timing_pick():
     """At V = 128256 (and 32000) a quick first launch's configs include the looped 2048-class chunks
-    on 8 warps, the config the H200 picked timing every one (session 4)."""
+    on 8 warps, the config the H200 picked timing every one."""
     from inductor_ext.ops._library import QUICK_FIRST_LAUNCH_CONFIGS
 
     for v in (32000, 128256):
@@ -113,7 +113,7 @@ def test_quick_first_launch_includes_the_full_timing_pick():
 
 
 def test_vocab_262144():
-    """The largest vocabulary the issue asks for (Gemma 3), looped kernel."""
+    """The largest vocabulary we support (Gemma 3's 262144), looped kernel."""
     config = search_space(262144)[0]
     assert not config.persistent
     with force_launch_config(config.to_triton().all_kwargs()):

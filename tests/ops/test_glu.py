@@ -132,9 +132,7 @@ def test_non_contiguous_inputs():
     up = torch.randn(9, 80, device=DEVICE)[:, ::2]  # strided rows and columns
     torch.testing.assert_close(swiglu(gate, up), swiglu_ref(gate, up), rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(4, 5, 3, 60, device=DEVICE).transpose(0, 1)  # leading dims not flattenable
-    torch.testing.assert_close(
-        swiglu_packed(gate_up), swiglu_ref(*gate_up.chunk(2, -1)), rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(swiglu_packed(gate_up), swiglu_ref(*gate_up.chunk(2, -1)), rtol=1e-5, atol=1e-5)
     # a non-contiguous incoming gradient (dy of a transposed output)
     g = torch.randn(30, 8, device=DEVICE, requires_grad=True)
     u = torch.randn(30, 8, device=DEVICE, requires_grad=True)

@@ -304,7 +304,9 @@ def test_eager_bypasses_the_dispatcher():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3}], ids=["affine", "no-bias", "plain", "eps"]
+    "kwargs",
+    [{}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3}],
+    ids=["affine", "no-bias", "plain", "eps"],
 )
 def test_nn_module_loads_torch_state_dicts(kwargs):
     theirs = torch.nn.LayerNorm(48, **kwargs)

@@ -18,7 +18,22 @@ from inductor_ext.ops._library import pruned_autotuner
 
 def _inplace_args(v: int) -> tuple:
     logits = torch.empty(3, v)
-    return (logits, logits, torch.empty(3), None, torch.zeros(3, dtype=torch.long), None, v, v, 0, v, -100, 0.0, 0.0, 0.0)
+    return (
+        logits,
+        logits,
+        torch.empty(3),
+        None,
+        torch.zeros(3, dtype=torch.long),
+        None,
+        v,
+        v,
+        0,
+        v,
+        -100,
+        0.0,
+        0.0,
+        0.0,
+    )
 
 
 def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():

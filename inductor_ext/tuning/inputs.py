@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from inductor_ext.autotune.timing import meta_like, size_hint
+from inductor_ext.tuning.timing import meta_like, size_hint
 
 IGNORED_FRACTION = 0.1
 """Fraction of labels set to ``ignore_index``."""
@@ -77,13 +77,17 @@ def random_inputs(op: OpOverload, args: Sequence[Any], device: torch.device | st
     return [_random_argument(op, name, value, bound, device) for name, value in bound.items()]
 
 
-def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None) -> Any:
+def _random_argument(
+    op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None
+) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     try:
         template = meta_like(value)
     except ValueError:
-        raise ValueError(f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}") from None
+        raise ValueError(
+            f"{op._name}: cannot build argument {name!r} of data-dependent shape {tuple(value.shape)}"
+        ) from None
     shape = list(template.shape)
     target = torch.device(device) if device is not None else value.device
     if value.dtype.is_floating_point:
@@ -98,7 +102,7 @@ def _random_argument(op: OpOverload, name: str, value: Any, bound: Mapping[str, 
     rule = INDEX_ARGUMENTS.get(name)
     if rule is None:
         raise ValueError(f"{op._name}: no rule for integer argument {name!r}; "
-                         f"name it one of {sorted(INDEX_ARGUMENTS)} or add a rule to inductor_ext.autotune.inputs.INDEX_ARGUMENTS")  # fmt: skip
+                         f"name it one of {sorted(INDEX_ARGUMENTS)} or add a rule to inductor_ext.tuning.inputs.INDEX_ARGUMENTS")  # fmt: skip
     try:
         return rule(shape, value.dtype, target, bound)
     except ValueError as error:

@@ -9,7 +9,7 @@ most samples (inclusive, and as the innermost frame), and writes them to ``OUT/s
 ``--compile-threads 1`` also runs every provider with Inductor compiling in the main process, so
 the samples show what its worker processes would otherwise spend.
 
-    PYTHONPATH=$PWD python scripts/profile_compile.py OUT [--providers torch_compile fastops_kernel ...]
+    python -m inductor_ext.bench profile_compile OUT [--providers torch_compile fastops_kernel ...]
         [--compile-threads 1] [--interval-ms 5] [--top 40]
 """
 
@@ -23,7 +23,8 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Self
+
+from typing_extensions import Self  # typing.Self needs Python 3.11
 
 PROVIDERS = ["torch_compile", "fastops_auto", "fastops_auto_warm_db", "fastops_kernel", "fastops_inductor"]
 
@@ -38,8 +39,8 @@ class StackSampler:
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self.inclusive: collections.Counter[str] = collections.Counter()
-        self.innermost: collections.Counter[str] = collections.Counter()
+        self.inclusive: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.innermost: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.samples, self.seconds = 0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -58,11 +59,12 @@ class StackSampler:
             elapsed, last = now - last, now
             self.samples += 1
             self.seconds += elapsed
-            for thread, frame in frames.items():
+            for thread, innermost in frames.items():
                 if thread == own:
                     continue
-                self.innermost[self._key(frame)] += elapsed
+                self.innermost[self._key(innermost)] += elapsed
                 seen = set()
+                frame: FrameType | None = innermost
                 while frame is not None:
                     seen.add(self._key(frame))
                     frame = frame.f_back
@@ -82,7 +84,7 @@ class StackSampler:
         lines = [header + "; seconds are summed over threads, shares are of the wall time"]
         for title, counter in (("inclusive", self.inclusive), ("innermost", self.innermost)):
             lines.append(f"-- {title}: seconds (share), function")
-            for key, seconds in counter.most_common(top):
+            for key, seconds in sorted(counter.items(), key=lambda item: item[1], reverse=True)[:top]:
                 lines.append(f"{seconds:7.2f} s ({seconds / max(self.seconds, 1e-9):5.1%})  {key}")
         return "\n".join(lines)
 
@@ -111,32 +113,33 @@ def child(name: str, out: Path, interval: float, top: int) -> None:
     (out / f"samples_{name}_threads_{threads}.txt").write_text(text)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m inductor_ext.bench profile_compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
     parser.add_argument("--compile-threads", type=int, help="also run each provider with this many compile threads")
     parser.add_argument("--interval-ms", type=float, default=5.0)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
         child(args.child, args.out, args.interval_ms / 1e3, args.top)
-        return
+        return 0
     from inductor_ext.bench.harness import fresh_cache_env
 
-    thread_settings = [{}] + (
+    thread_settings: list[dict[str, str]] = [{}] + (
         [{"TORCHINDUCTOR_COMPILE_THREADS": str(args.compile_threads)}] if args.compile_threads else []
     )
     for threads in thread_settings:
         scratch, database = tempfile.mkdtemp(), tempfile.mkdtemp()
         for name in args.providers:
             env = fresh_cache_env(scratch, database if name.startswith("fastops_auto") else tempfile.mkdtemp())
-            command = [sys.executable, __file__, str(args.out), "--child", name,
+            command = [sys.executable, "-m", "inductor_ext.bench", "profile_compile", str(args.out), "--child", name,
                        "--interval-ms", str(args.interval_ms), "--top", str(args.top)]  # fmt: skip
             subprocess.run(command, env={**os.environ, **env, **threads}, check=False)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

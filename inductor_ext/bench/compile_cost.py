@@ -7,13 +7,15 @@ those shapes without running anything (meta tensors), then compiles each launche
 order), and prints compile seconds, registers per thread and spill bytes (``cuobjdump
 -res-usage`` on the cubin; Triton's wheel ships the CUDA tools, no GPU or driver is needed).
 
-    PYTHONPATH=$PWD python scripts/compile_cost.py CALLS.json [--configs 4] [--arch 90] [--stage ttir]
+    python -m inductor_ext.bench compile_cost [CALLS.json] [--configs 4] [--arch 90] [--stage ttir]
+
+CALLS.json defaults to a Llama-3-8B decoder's calls (``calls_llama3_8b_decoder.json`` beside this module).
 
 ``--configs 0`` takes every config; ``--stage ttir`` runs only Triton's frontend (Python to TTIR),
 whose type checks reject code the interpreter runs (CI runs it on every config of every op).
 
-Why: a compile with our kernels waits for them when Inductor loads the output module (H200,
-session 8: ~10 s of a warm-database decoder compile), and a spilling config is a slow config.
+Why: a compile with our kernels waits for them when Inductor loads the output module (measured on
+the H200: ~10 s of a warm-database decoder compile), and a spilling config is a slow config.
 Compile seconds here are this host's, single-threaded: compare kernels with each other. A call
 whose ops cannot run on fake CUDA tensors on a CPU-only torch build (fused linear cross-entropy,
 whose chunk slicing reaches the CUDA backend) is reported and skipped.
@@ -25,6 +27,7 @@ import re
 import subprocess
 import tempfile
 import time
+import unittest.mock
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,12 +61,11 @@ def recorded_launches(sms: int) -> Iterator[list[tuple[Any, tuple[Any, ...], dic
     def record(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
         calls.append((kernel, args, kwargs))
 
-    saved = library._DIRECT, library.sm_count
-    library._DIRECT, library.sm_count = record, lambda device_index: sms
-    try:
+    with (
+        unittest.mock.patch.object(library, "_DIRECT", record),
+        unittest.mock.patch.object(library, "sm_count", lambda device_index: sms),
+    ):
         yield calls
-    finally:
-        library._DIRECT, library.sm_count = saved
 
 
 def fake_cuda(args: tuple[Any, ...]) -> list[Any]:
@@ -94,7 +96,10 @@ def compile_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: 
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
     cubin.unlink()
-    registers, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.DOTALL).groups()
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.DOTALL)
+    if found is None:
+        raise RuntimeError(f"no register and stack counts in cuobjdump's output:\n{usage}")
+    registers, stack = found.groups()
     return {"seconds": seconds, "registers": int(registers), "spill bytes": int(stack)}
 
 
@@ -112,9 +117,19 @@ def lower_one(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: GP
     return {"seconds": time.perf_counter() - start}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("calls", type=Path, help="call file (JSON, or YAML with PyYAML)")
+DEFAULT_CALLS = Path(__file__).with_name("calls_llama3_8b_decoder.json")
+"""A Llama-3-8B decoder's forward op calls (2 x 2048 tokens, bf16): norms, RoPE, SwiGLU, the loss."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m inductor_ext.bench compile_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "calls", type=Path, nargs="?", default=DEFAULT_CALLS, help="call file (JSON, or YAML with PyYAML)"
+    )
     parser.add_argument(
         "--configs", type=int, default=1, help="configs per launch, in the order a launch offers them (0: every one)"
     )
@@ -126,7 +141,8 @@ def main() -> None:
     )
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (sm_90)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the grids are sized for (H100/H200: 132)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # Triton's binder asks
     target = GPUTarget("cuda", args.arch, 32)
     triton.knobs.cache.dir = tempfile.mkdtemp(prefix="compile_cost_")  # compile, never load from a cache
     build, columns = (compile_one, COLUMNS) if args.stage == "sass" else (lower_one, COLUMNS[:4])
@@ -157,8 +173,4 @@ def main() -> None:
     print(format_table([[f"{r[c]:.2f}" if c == "seconds" else str(r[c]) for c in columns] for r in rows], columns))
     what = "compiles" if args.stage == "sass" else "frontend runs"
     print(f"total {sum(r['seconds'] for r in rows):.1f} s for {len(rows)} {what}")
-
-
-if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # Triton's binder asks
-    main()
+    return 0

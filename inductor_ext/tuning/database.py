@@ -89,12 +89,20 @@ class TuningDatabase:
         if not isinstance(entries, dict):
             raise self._malformed('has no "entries" object')
         for key, entry in entries.items():
-            if not (isinstance(entry, dict) and isinstance(entry.get("versions"), dict) and isinstance(entry.get("record"), dict)):
-                raise self._malformed(f'has a malformed entry {key!r} (expected {{"versions": {{...}}, "record": {{...}}}})')
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("versions"), dict)
+                and isinstance(entry.get("record"), dict)
+            ):
+                raise self._malformed(
+                    f'has a malformed entry {key!r} (expected {{"versions": {{...}}, "record": {{...}}}})'
+                )
         return entries
 
     def _malformed(self, problem: str) -> ValueError:
-        return ValueError(f"tuning database {self.path} {problem}; delete it or run `python -m inductor_ext.autotune clear`")
+        return ValueError(
+            f"tuning database {self.path} {problem}; delete it or run `python -m inductor_ext.autotune clear`"
+        )
 
     def _write(self, entries: dict[str, Any]) -> None:
         """Atomically replace the file (called with the lock held)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import triton
 
-from inductor_ext.autotune.database import TuningDatabase
+from inductor_ext.tuning.database import TuningDatabase
 
 LAUNCH_OPTIONS = frozenset({*triton.Config({}).all_kwargs(), "maxnreg"})
 """Keys of a config's ``all_kwargs()`` that are launch options (``num_warps``, ...), not kernel parameters."""
@@ -39,9 +39,7 @@ def key_signature(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -
     positions = _KEY_POSITIONS.get(kernel)
     if positions is None:
         index = {name: i for i, name in enumerate(kernel.arg_names)}
-        positions = _KEY_POSITIONS[kernel] = [
-            (index[k], k) if index[k] < len(args) else (None, k) for k in kernel.keys
-        ]
+        positions = _KEY_POSITIONS[kernel] = [(index[k], k) if index[k] < len(args) else (None, k) for k in kernel.keys]
     values = tuple([args[i] if i is not None else kwargs.get(k) for i, k in positions])
     return values, tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
 

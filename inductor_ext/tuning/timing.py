@@ -1,5 +1,5 @@
 """GPU timing on random inputs built from shapes alone (no model, no real data); the inputs
-themselves come from :mod:`inductor_ext.autotune.inputs`."""
+themselves come from :mod:`inductor_ext.tuning.inputs`."""
 
 import functools
 import logging

@@ -1,0 +1,116 @@
+"""Every import inside the package points down the layer stack (docs/design: data flows down).
+
+Each module of ``inductor_ext`` is parsed with :mod:`ast`; its imports, function-local ones and
+``importlib.import_module("inductor_ext....")`` included, may name modules of its own layer or
+of a layer below it, never one above.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "inductor_ext"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("inductor_ext.bench",),
+    # The package facade (inductor_ext/__init__.py) re-exports export, nn, ops and registers the backend.
+    ("inductor_ext", "inductor_ext.export", "inductor_ext.models", "inductor_ext.autotune", "inductor_ext.cpp_runner"),
+    ("inductor_ext.inductor",),
+    ("inductor_ext.nn",),
+    ("inductor_ext.ops",),
+    ("inductor_ext.tuning",),
+    ("inductor_ext.kernels",),
+    ("inductor_ext.version", "inductor_ext.tensor_file", "inductor_ext.cxx_runtime"),
+)
+"""Top to bottom. A module belongs to the layer of its longest matching prefix."""
+
+
+def layer_of(module: str) -> int:
+    best, best_len = -1, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE_DIR.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) for every package module that ``path`` (or ``source`` standing in for it) imports."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    text = path.read_text() if source is None else source
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.append((node.lineno, target if is_module(target) else base))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+        ):
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append((node.lineno, arg.value))
+            elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+                # f"inductor_ext.bench.{op}": the package its constant prefix names
+                found.append((node.lineno, str(arg.values[0].value).rstrip(".").rpartition(".")[0] or "?"))
+    return [(line, module) for line, module in found if module == "inductor_ext" or module.startswith("inductor_ext.")]
+
+
+MODULES = sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    for path in MODULES:
+        layer_of(module_name(path))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE_DIR.parent)))
+def test_imports_point_down(path: Path) -> None:
+    name = module_name(path)
+    upward = [
+        f"{path.relative_to(PACKAGE_DIR.parent)}:{line} imports {target} "
+        f"(layer {layer_of(target)} {LAYERS[layer_of(target)]} is above layer {layer_of(name)} {LAYERS[layer_of(name)]})"
+        for line, target in imported_modules(path)
+        if layer_of(target) < layer_of(name)
+    ]
+    assert not upward, "imports that point upward:\n" + "\n".join(upward)
+
+
+def test_the_checker_sees_upward_and_lazy_imports() -> None:
+    """The parser finds module-level, function-local, relative and importlib imports."""
+    source = (
+        "import importlib\n"
+        "from inductor_ext.tuning.database import TuningDatabase\n"
+        "def f():\n"
+        "    from ..inductor import choice\n"
+        "    return importlib.import_module('inductor_ext.autotune.tune')\n"
+    )
+    path = PACKAGE_DIR / "ops" / "example.py"
+    found = {module for _, module in imported_modules(path, source)}
+    assert found == {"inductor_ext.tuning.database", "inductor_ext.inductor.choice", "inductor_ext.autotune.tune"}
+    assert [layer_of(module) < layer_of("inductor_ext.ops.example") for module in sorted(found)] == [True, True, False]
