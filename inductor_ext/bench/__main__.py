@@ -1,12 +1,7 @@
-<<<<<<< HEAD
-"""``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``, or
-``python -m inductor_ext.bench backend|export|autotune|train [options]`` for the model-level benchmarks.
-=======
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``,
-``python -m inductor_ext.bench backend|export|autotune [options]`` for the model-level benchmarks, or
+``python -m inductor_ext.bench backend|export|autotune|train [options]`` for the model-level benchmarks, or
 ``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile [options]`` for the
 developer tools (compile cost of our kernels, compile-time A/B, compile profile).
->>>>>>> repo-code
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,

@@ -32,17 +32,17 @@ import torch
 from inductor_ext.bench.harness import fresh_cache_env, kernel_class, print_child_result, run_child
 
 MODELS: dict[str, dict[str, Any]] = {
-    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
-                         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
-    "mistral-7b-4l": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rms_norm_eps=1e-5,
-                          rope_theta=1000000.0, max_position_embeddings=32768, sliding_window=None),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+    "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                         "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                       "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                       "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True},
+    "mistral-7b-4l": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768, "rms_norm_eps": 1e-5,
+                          "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None},
+    "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256},
 }  # fmt: skip
 """Model shapes by name: a transformers config's fields (``model_type`` picks the class). The real
 models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers) and a tiny one for CPU tests."""
@@ -120,7 +120,13 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         apply_liger(args.model)
     model = build_model(args.model, device, torch.bfloat16)
     step = make_step(model, provider, args.attention_mask)
-    data = batches(args.warmup + args.steps + 1 + args.profile_steps, args.batch, args.seq, model.config.vocab_size, device)
+    data = batches(
+        args.warmup + args.steps + 1 + args.profile_steps,
+        args.batch,
+        args.seq,
+        MODELS[args.model]["vocab_size"],
+        device,
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     start = time.perf_counter()

@@ -46,7 +46,11 @@ from torch.fx import Graph, GraphModule, Node
 
 aten = torch.ops.aten
 
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+SDPA_TARGETS = (
+    F.scaled_dot_product_attention,
+    torch._C._nn.scaled_dot_product_attention,
+    aten.scaled_dot_product_attention.default,
+)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 """``scaled_dot_product_attention``'s parameters, in order (the same in torch and aten)."""
 
@@ -92,9 +96,10 @@ def rewrite_causal_masks(gm: GraphModule, *, assume_no_padding: bool = False) ->
         ungrouped = _ungroup_repeated_kv(args)
         result.rewritten += 1
         result.ungrouped += ungrouped
-        node.args, node.kwargs = (args["query"], args["key"], args["value"]), {
-            k: args[k] for k in SDPA_PARAMS[3:] if k in args
-        }
+        node.args, node.kwargs = (
+            (args["query"], args["key"], args["value"]),
+            {k: args[k] for k in SDPA_PARAMS[3:] if k in args},
+        )
     for padding_input in assumed:
         _assert_all_ones(gm.graph, padding_input)
     if result.rewritten:
@@ -140,7 +145,10 @@ def _prove_causal(gm: GraphModule, sdpa: Node, args: Mapping[str, Any], assume_n
     assignments = _size_assignments(nodes, args)
     for values in assignments:
         actual = _evaluate(gm, nodes, mask, values, padding)
-        length_q, length_k = _concrete(_value(args["query"]).shape[-2], values), _concrete(_value(args["key"]).shape[-2], values)
+        length_q, length_k = (
+            _concrete(_value(args["query"]).shape[-2], values),
+            _concrete(_value(args["key"]).shape[-2], values),
+        )
         if not _equals_causal(actual, length_q, length_k):
             sizes = ", ".join(f"{s}={v}" for s, v in values.items()) or "the traced sizes"
             raise _NotCausal(f"the mask is not the causal mask at {sizes}")
@@ -202,7 +210,9 @@ def _check_data_independent(nodes: list[Node], assume_no_padding: bool) -> list[
 
 def _is_padding_mask(value: torch.Tensor) -> bool:
     """A 2-D integer or boolean input: HF's ``attention_mask`` (batch, key positions)."""
-    return value.dim() == 2 and (value.dtype == torch.bool or not (value.dtype.is_floating_point or value.dtype.is_complex))
+    return value.dim() == 2 and (
+        value.dtype == torch.bool or not (value.dtype.is_floating_point or value.dtype.is_complex)
+    )
 
 
 def _check_no_side_effects(nodes: list[Node], sdpa: Node) -> None:
@@ -239,7 +249,9 @@ def _symbols(value: Any) -> Iterable[torch.SymInt]:
     if isinstance(value, torch.SymInt):
         yield value
     elif isinstance(value, torch.Tensor):
-        yield from (d for d in value.shape if isinstance(d, torch.SymInt))
+        for size in value.shape:
+            if isinstance(size, torch.SymInt):
+                yield size
 
 
 def _size_assignments(nodes: list[Node], args: Mapping[str, Any]) -> list[dict[sympy.Symbol, int]]:
@@ -376,7 +388,9 @@ def _ungroup_repeated_kv(args: dict[str, Any]) -> bool:
 
 def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
     """``(x, n)`` for ``x[:, :, None].expand(B, H, n, S, D).reshape(B, H*n, S, D)`` (or unsqueeze, or aten)."""
-    if not _is_call(node, ("reshape", "view"), (torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default)):
+    if not _is_call(
+        node, ("reshape", "view"), (torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+    ):
         return None
     expand = node.args[0]
     if _is_call(expand, (), (aten.clone.default,)):
@@ -385,16 +399,24 @@ def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
         return None
     inserted = expand.args[0]
     source: Any = None
-    if _is_call(inserted, ("unsqueeze",), (torch.unsqueeze, aten.unsqueeze.default)) and tuple(inserted.args[1:]) == (2,):
-        source = inserted.args[0]
-    elif _is_call(inserted, (), (operator.getitem,)) and _is_none_at_2(inserted.args[1]):
+    if (
+        _is_call(inserted, ("unsqueeze",), (torch.unsqueeze, aten.unsqueeze.default))
+        and tuple(inserted.args[1:]) == (2,)
+        or _is_call(inserted, (), (operator.getitem,))
+        and _is_none_at_2(inserted.args[1])
+    ):
         source = inserted.args[0]
     grouped, repeated, expanded = _value(source), _value(node), _value(expand)
     if not all(isinstance(v, torch.Tensor) for v in (grouped, repeated, expanded)) or grouped.dim() != 4:
         return None
     batch, heads, length, dim = grouped.shape
     n_rep = expanded.shape[2]
-    if tuple(expanded.shape) != (batch, heads, n_rep, length, dim) or tuple(repeated.shape) != (batch, heads * n_rep, length, dim):
+    if tuple(expanded.shape) != (batch, heads, n_rep, length, dim) or tuple(repeated.shape) != (
+        batch,
+        heads * n_rep,
+        length,
+        dim,
+    ):
         return None
     return source, n_rep
 
@@ -402,9 +424,16 @@ def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
 def _is_call(node: Any, methods: tuple[str, ...], functions: tuple[Any, ...]) -> bool:
     if not isinstance(node, Node) or not node.args:
         return False
-    return (node.op == "call_method" and node.target in methods) or (node.op == "call_function" and node.target in functions)
+    return (node.op == "call_method" and node.target in methods) or (
+        node.op == "call_function" and node.target in functions
+    )
 
 
 def _is_none_at_2(index: Any) -> bool:
     full = slice(None, None, None)
-    return isinstance(index, tuple) and len(index) == 5 and index[2] is None and all(i == full for i in index[:2] + index[3:])
+    return (
+        isinstance(index, tuple)
+        and len(index) == 5
+        and index[2] is None
+        and all(i == full for i in index[:2] + index[3:])
+    )

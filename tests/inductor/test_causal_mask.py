@@ -6,8 +6,6 @@ On CPU, transformers 5.24 with torch 2.13 traces ``attn_mask=None`` already; on 
 as true under Dynamo there. The ``materialised_hf_mask`` fixture takes that path on CPU.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,8 +42,8 @@ def _sdpa_calls(gm) -> list:
 
 
 def _hf_model(family: str = "llama", **overrides) -> nn.Module:
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")  # fmt: skip
+    common = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 128, "attn_implementation": "sdpa"}  # fmt: skip
     common.update(overrides)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
@@ -241,7 +239,9 @@ def test_exported_hf_program_is_rewritten():
 
     assert (result.rewritten, result.ungrouped) == (2, 2)
     calls = _sdpa_calls(program.graph_module)
-    assert [(c.kwargs["is_causal"], c.kwargs["attn_mask"], c.kwargs["enable_gqa"]) for c in calls] == [(True, None, True)] * 2
+    assert [(c.kwargs["is_causal"], c.kwargs["attn_mask"], c.kwargs["enable_gqa"]) for c in calls] == [
+        (True, None, True)
+    ] * 2
     torch.testing.assert_close(program.module()(ids, use_cache=False).logits, expected)
 
 
