@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import get_donated_idxs
 
+from inductor_ext.inductor.donated_buffers import write_over_donated_inputs
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
@@ -35,13 +37,14 @@ def source_digest() -> str:
 
 
 class FastopsGraphPass(CustomGraphPass):
-    """Runs the user's post-grad pass (if any); its ``uuid`` versions the caches."""
+    """Our post-grad pass (:mod:`.donated_buffers`), then the user's (if any); its ``uuid`` versions the caches."""
 
     def __init__(self, state: str, chained: Any = None) -> None:
         self.state = state
         self.chained = chained
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        write_over_donated_inputs(graph, get_donated_idxs())
         if self.chained is not None:
             self.chained(graph)
 
