@@ -12,8 +12,8 @@ gradients against ``torch.compile``'s 1.96 (one 1.96 GiB logits tensor more).
 For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph whose input
 tensor is a donated graph input read by nothing after it, and whose output is a fresh
 ``empty`` buffer of the same shape, strides and dtype, this pass launches the kernel's
-in-place variant with the output pointing at the input (the variant's autotuner restores
-the input between timed configs), and every use of the output reads the input instead.
+kernel in place, with the output pointing at the input (its autotuner, with the same
+configs, restores the input after each timed config), and every use of the output reads the input instead.
 It runs as part of the backend's ``post_grad_custom_post_pass``, after the post-grad graph's
 dead-code elimination: the in-place launch has no users, and fx does not count
 ``triton_kernel_wrapper_mutation`` as a side effect (torch 2.13), so a later
@@ -25,29 +25,31 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import torch
+import triton
 from torch._higher_order_ops.triton_kernel_wrap import (
     kernel_side_table,
     triton_kernel_wrapper_functional,
     triton_kernel_wrapper_mutation,
 )
 from torch.fx import Graph, Node
+from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
+from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel
 
 aten = torch.ops.aten
 
 
-class InPlaceVariant(NamedTuple):
-    kernel: Any
-    """The same kernel whose autotuner restores ``output`` after each timed config."""
+class InPlaceArguments(NamedTuple):
     input: str
     output: str
     """Argument names: the kernel may write ``output`` over ``input``."""
 
 
-IN_PLACE_VARIANTS: dict[Any, InPlaceVariant] = {
-    cross_entropy_bwd_kernel: InPlaceVariant(cross_entropy_bwd_inplace_kernel, "LOGITS", "DLOGITS"),
+IN_PLACE_VARIANTS: dict[Any, InPlaceArguments] = {
+    cross_entropy_bwd_kernel.fn: InPlaceArguments("LOGITS", "DLOGITS"),
 }
+"""Triton JIT function -> the arguments it may alias. Launches are traced through autotuners built
+around these functions (``ops._library.pruned_autotuner``), so the function identifies the kernel."""
 
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 
@@ -61,9 +63,10 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
     order = {node: i for i, node in enumerate(graph.nodes)}
     rewritten = 0
     for launch in list(graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional)):
-        variant = IN_PLACE_VARIANTS.get(kernel_side_table.get_kernel(launch.kwargs["kernel_idx"]))
-        if variant is None:
-            continue
+        kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
+        variant = IN_PLACE_VARIANTS.get(getattr(kernel, "fn", kernel))
+        if variant is None or not isinstance(kernel, Autotuner) or kernel.restore_value:
+            continue  # not ours, a bare JIT function, or already writing in place
         arguments = _kernel_arguments(launch)
         source, output = arguments.get(variant.input), arguments.get(variant.output)
         if not _can_write_over(launch, source, output, donated, order):
@@ -72,7 +75,7 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             graph.call_function(
                 triton_kernel_wrapper_mutation,
                 kwargs={
-                    "kernel_idx": kernel_side_table.add_kernel(variant.kernel),
+                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, variant.output)),
                     "constant_args_idx": launch.kwargs["constant_args_idx"],
                     "grid": launch.kwargs["grid"],
                     "tma_descriptor_metadata": launch.kwargs["tma_descriptor_metadata"],
@@ -86,6 +89,13 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
         graph.erase_node(cast(Node, output))
         rewritten += 1
     return rewritten
+
+
+def _restoring(kernel: Autotuner, output: str) -> Autotuner:
+    """``kernel``'s configs, with an autotuner that restores ``output`` after each timed config (it is the input)."""
+    return triton.autotune(configs=kernel.configs, key=[], restore_value=[output], reset_to_zero=kernel.reset_to_zero)(
+        kernel.fn
+    )
 
 
 def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], order: Mapping[Node, int]) -> bool:

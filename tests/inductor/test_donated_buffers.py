@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+import triton
 from torch._higher_order_ops.triton_kernel_wrap import (
     kernel_side_table,
     triton_kernel_wrapper_functional,
@@ -14,7 +15,12 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 from torch.fx import Graph
 
 from inductor_ext.inductor.donated_buffers import write_over_donated_inputs
-from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
+from inductor_ext.kernels.cross_entropy import (
+    _cross_entropy_bwd,
+    cross_entropy_bwd_inplace_kernel,
+    cross_entropy_bwd_kernel,
+    cross_entropy_fwd_kernel,
+)
 
 aten = torch.ops.aten
 
@@ -47,13 +53,23 @@ def _backward_graph(*, read_after: bool = False, other_shape: bool = False, kern
     return graph, logits
 
 
-def test_gradient_is_written_over_donated_logits():
-    graph, logits = _backward_graph()
+@pytest.mark.parametrize(
+    "traced",
+    [
+        cross_entropy_bwd_kernel,
+        triton.autotune(configs=cross_entropy_bwd_kernel.configs[:2], key=[])(_cross_entropy_bwd),
+    ],
+)
+def test_gradient_is_written_over_donated_logits(traced):
+    """The base autotuner, or one as an op body traces it (``ops._library.pruned_autotuner``: configs narrowed)."""
+    graph, logits = _backward_graph(kernel=traced)
 
     assert write_over_donated_inputs(graph, [0]) == 1
 
     (launch,) = graph.find_nodes(op="call_function", target=triton_kernel_wrapper_mutation)
-    assert kernel_side_table.get_kernel(launch.kwargs["kernel_idx"]) is cross_entropy_bwd_inplace_kernel
+    kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
+    assert kernel.fn is cross_entropy_bwd_kernel.fn and kernel.restore_value == ["DLOGITS"]
+    assert [c.all_kwargs() for c in kernel.configs] == [c.all_kwargs() for c in traced.configs]
     assert launch.kwargs["kwargs"]["DLOGITS"] is logits and launch.kwargs["kwargs"]["LOGITS"] is logits
     assert not graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional)
     assert not graph.find_nodes(op="call_function", target=aten.empty.memory_format)
@@ -68,7 +84,8 @@ def test_gradient_is_written_over_donated_logits():
         ({}, None),  # outside a compile
         ({"read_after": True}, [0]),  # the logits are read after the backward kernel
         ({"other_shape": True}, [0]),  # the output buffer is not the logits' layout
-        ({"kernel": cross_entropy_bwd_inplace_kernel}, [0]),  # a kernel with no in-place variant
+        ({"kernel": cross_entropy_bwd_inplace_kernel}, [0]),  # already in place
+        ({"kernel": cross_entropy_fwd_kernel}, [0]),  # a kernel with no in-place form
     ],
 )
 def test_launch_left_alone(build, donated):
