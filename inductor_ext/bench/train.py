@@ -274,7 +274,7 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> No
         offset = [a + b for a, b in zip(offset, values)]
     right.set_xlabel("GPU ms per step, by kernel category")
     right.invert_yaxis()
-    right.legend(loc="lower right", fontsize=8)
+    right.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,77 @@
+"""``python -m inductor_ext.bench train`` on CPU: a tiny HF Llama trained by each provider in its own
+process (on a GPU the same command measures the real model shapes; see docs/benchmarks.md)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from inductor_ext.bench import train
+
+
+def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
+    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
+               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
+               "--providers", "hf_eager", "fastops_inductor", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+    assert list(results) == ["hf_eager", "fastops_inductor"]
+    eager, ours = results["hf_eager"], results["fastops_inductor"]
+    assert len(eager["losses"]) == len(ours["losses"]) == 3  # the first step, then 2 timed ones
+    # same weights and batches in two processes: the losses agree to bf16 rounding, step after step
+    for a, b in zip(eager["losses"], ours["losses"]):
+        assert abs(a - b) <= 2e-2 * abs(a)
+    assert ours["tokens_per_s"] > 0 and ours["first_step_s"] > 0
+    assert "fastops_inductor" in proc.stdout and "x torch.compile" in proc.stdout
+
+
+def test_built_models_match_the_registry_and_are_reproducible():
+    first = train.build_model("tiny-llama", "cpu", torch.float32, seed=3)
+    second = train.build_model("tiny-llama", "cpu", torch.float32, seed=3)
+    assert first.config.num_hidden_layers == train.MODELS["tiny-llama"]["num_hidden_layers"]
+    assert first.config._attn_implementation == "sdpa" and first.training
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("model", sorted(set(train.MODELS) - {"tiny-llama"}))
+def test_registry_shapes_build_on_the_meta_device(model):
+    config = train.config_for(model)
+    assert config.hidden_size == train.MODELS[model]["hidden_size"]
+    with torch.device("meta"):
+        built = train.build_model(model, "meta", torch.bfloat16)
+    assert built.config.vocab_size == train.MODELS[model]["vocab_size"]
+
+
+def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
+    def result(tokens, loss):
+        return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
+                "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
+
+    rows = train.summarize(
+        {"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": result(125.0, 3.25)}
+    )
+    assert [(r["provider"], r["x torch.compile"], r["- hf_eager"]) for r in rows] == [
+        ("hf_eager", 0.5, 0.0), ("torch_compile", 1.0, 0.5), ("ours", 1.25, 0.25)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "must be >= 1"),
+        (["--providers", "nope"], "invalid choice"),
+        (["--model", "gpt-17"], "invalid choice"),
+        ([], "needs a CUDA GPU"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
+    if message == "needs a CUDA GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    assert message in capsys.readouterr().err
