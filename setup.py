@@ -25,6 +25,7 @@ setup(
             "ruff==0.17.6",  # pinned: tests/test_code_quality.py lints and formats with it
             "mypy==2.4.1",  # pinned: tests/test_code_quality.py type-checks with it
             "transformers==5.24.0",  # the HF spellings the backend rewrites (tests/inductor/test_causal_mask.py)
+            "tabulate",  # bench train's table (tests/test_bench_train.py)
         ],
         "bench": ["tabulate", "matplotlib"],
         "hf": ["transformers", "peft"],
