@@ -26,6 +26,7 @@ setup(
             "mypy==2.4.1",  # pinned: tests/test_code_quality.py type-checks with it
             "transformers==5.24.0",  # the HF spellings the backend rewrites (tests/inductor/test_causal_mask.py)
             "tabulate",  # bench train's table (tests/test_bench_train.py)
+            "peft",  # PEFT-wrapped models under inductor_ext.models.apply (tests/models/test_patch.py)
         ],
         "bench": ["tabulate", "matplotlib"],
         "hf": ["transformers", "peft"],

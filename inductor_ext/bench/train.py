@@ -55,9 +55,12 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_no_causal_rewrite": {"backend": "fastops_inductor", "options": {"fastops.causal_mask": False}},
     "fastops_inductor_no_padding": {"backend": "fastops_inductor", "options": {"fastops.assume_no_padding": True}},
     "liger_eager": None,
+    "patched_eager": None,
+    "patched_fastops_inductor": {"backend": "fastops_inductor"},
 }
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
-patch for the model family (only where ``liger_kernel`` is importable)."""
+patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
+patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CATEGORIES = ("gemm", "attention", "optimizer", "other")
@@ -119,6 +122,10 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     if provider == "liger_eager":
         apply_liger(args.model)
     model = build_model(args.model, device, torch.bfloat16)
+    if provider.startswith("patched_"):
+        from inductor_ext import models
+
+        models.apply(model)
     step = make_step(model, provider, args.attention_mask)
     data = batches(
         args.warmup + args.steps + 1 + args.profile_steps,

@@ -1,0 +1,211 @@
+"""``inductor_ext.models.apply(model)``: an instantiated transformers model (or a PEFT-wrapped one) on our ops.
+
+What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
+
+- every RMSNorm instance of the family's class (decoder norms, the final norm, Qwen3's and
+  OLMo-2's q/k norms): our ``rms_norm`` with the class's casting;
+- every MLP instance of the family's class whose activation our GLU ops fuse: the activation and
+  the product become one ``swiglu``/``geglu`` (packed for Phi-3);
+- RoPE: the family's module-level ``apply_rotary_pos_emb`` (which the attention modules look up
+  there) becomes our kernel's. This one is process-wide for that family, as it is transformers'
+  own function; it is restored when the last patched model of the family is unapplied;
+- the ``ForCausalLM`` instance: in training with labels, the LM head and the loss become one
+  ``fused_linear_cross_entropy`` (``outputs.logits`` is then None: the ``(tokens, vocab)``
+  logits are never built); otherwise transformers' own forward runs.
+
+Norms, MLPs and the causal LM are patched per instance (the instance's ``forward``), so other
+models in the process are untouched, and ``torch.compile``/``torch.export`` trace our ops.
+Anything that cannot be patched (an unknown family, a module of an unexpected shape or
+activation, a module whose ``forward`` was already replaced, e.g. by an accelerate hook) is left
+as it is with a warning naming it. :func:`unapply` (or leaving :func:`patched`) restores the model.
+"""
+
+import contextlib
+import dataclasses
+import importlib
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from inductor_ext.models import forwards
+from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
+
+
+class PatchWarning(UserWarning):
+    """A part of the model that :func:`apply` could not patch (the message names it)."""
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What :func:`apply` did to one model."""
+
+    family: str | None
+    norms: list[str] = dataclasses.field(default_factory=list)
+    mlps: list[str] = dataclasses.field(default_factory=list)
+    rope: bool = False
+    loss: bool = False
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Module name (or what) -> why it was left as it is."""
+
+    def __bool__(self) -> bool:
+        return bool(self.norms or self.mlps or self.rope or self.loss)
+
+
+@dataclasses.dataclass
+class _Patched:
+    report: PatchReport
+    instances: list[tuple[torch.nn.Module, tuple[str, ...]]]
+    """(module, instance attributes set on it)."""
+    rope_module: Any = None
+
+
+_PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Patched]" = weakref.WeakKeyDictionary()
+_ROPE_PATCHES: dict[str, tuple[Callable[..., Any], int]] = {}
+"""Modeling module name -> (transformers' apply_rotary_pos_emb, number of patched models using ours)."""
+
+
+def apply(
+    model: torch.nn.Module, *, norms: bool = True, mlps: bool = True, rope: bool = True, loss: bool = True
+) -> PatchReport:
+    """Patch ``model`` in place (see the module docstring); each switch turns one part off.
+
+    Returns a :class:`PatchReport`; what was left alone is also reported by :class:`PatchWarning`s.
+    Raises ``ValueError`` if the model is already patched, ``TypeError`` if it is not a module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"inductor_ext.models.apply: model must be a torch.nn.Module, got {type(model).__name__}")
+    hf_model = _unwrap(model)
+    if hf_model in _PATCHED:
+        raise ValueError(f"inductor_ext.models.apply: {type(hf_model).__name__} is already patched")
+    model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    report = PatchReport(family=model_type if family else None)
+    patched = _PATCHED[hf_model] = _Patched(report, [])  # even when nothing is patched: unapply stays symmetric
+    if family is None:
+        known = ", ".join(sorted(FAMILIES))
+        _warn(report, type(hf_model).__name__, f"unknown model family {model_type!r} (known: {known}); nothing patched")
+        return report
+    model_type = str(model_type)
+    try:
+        modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    except ImportError as error:
+        _warn(report, model_type, f"transformers has no modeling_{family.module} ({error}); nothing patched")
+        return report
+    classes = {name: getattr(modeling, name, None) for name in (family.norm, family.mlp, family.causal_lm)}
+    missing = [name for name, cls in classes.items() if cls is None]
+    if missing:
+        _warn(report, model_type, f"this transformers lacks {', '.join(missing)}; nothing patched")
+        return report
+
+    for name, module in hf_model.named_modules():
+        cls = type(module)
+        if norms and cls is classes[family.norm]:
+            _patch_norm(patched, name, module, family)
+        elif mlps and cls is classes[family.mlp]:
+            _patch_mlp(patched, name, module, family, hf_model.config)
+        elif cls.__name__.endswith(("RMSNorm", "LayerNorm", "MLP")) and cls not in classes.values():
+            _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
+    if loss:
+        if type(hf_model) is classes[family.causal_lm]:
+            if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, _fastops_family=family):
+                report.loss = True
+        else:
+            _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: the loss is left as it is")
+    if rope:
+        if callable(getattr(modeling, "apply_rotary_pos_emb", None)):
+            original, count = _ROPE_PATCHES.get(modeling.__name__, (modeling.apply_rotary_pos_emb, 0))
+            setattr(modeling, "apply_rotary_pos_emb", forwards.hf_apply_rotary_pos_emb)  # noqa: B010
+            _ROPE_PATCHES[modeling.__name__] = (original, count + 1)
+            patched.rope_module, report.rope = modeling, True
+        else:
+            _warn(report, modeling.__name__, "has no apply_rotary_pos_emb: RoPE is left as it is")
+    return report
+
+
+def unapply(model: torch.nn.Module) -> None:
+    """Undo :func:`apply` on ``model`` (the same object, or its PEFT wrapper)."""
+    hf_model = _unwrap(model)
+    patched = _PATCHED.pop(hf_model, None)
+    if patched is None:
+        raise ValueError(f"inductor_ext.models.unapply: {type(hf_model).__name__} is not patched")
+    for module, attributes in patched.instances:
+        for attribute in attributes:
+            delattr(module, attribute)
+    if patched.rope_module is not None:
+        name = patched.rope_module.__name__
+        original, count = _ROPE_PATCHES[name]
+        if count == 1:
+            patched.rope_module.apply_rotary_pos_emb = original
+            del _ROPE_PATCHES[name]
+        else:
+            _ROPE_PATCHES[name] = (original, count - 1)
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, **switches: bool) -> Iterator[PatchReport]:
+    """``with patched(model) as report:`` :func:`apply` on entry, :func:`unapply` on exit."""
+    report = apply(model, **switches)
+    try:
+        yield report
+    finally:
+        unapply(model)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT ``PeftModel`` (``get_base_model()``), else ``model``."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _warn(report: PatchReport, what: str, why: str) -> None:
+    report.skipped[what or "model"] = why
+    warnings.warn(f"inductor_ext.models.apply: {what or 'model'}: {why}", PatchWarning, stacklevel=3)
+
+
+def _set_forward(patched: _Patched, name: str, module: torch.nn.Module, forward: Any, **attributes: Any) -> bool:
+    if "forward" in vars(module):
+        _warn(patched.report, name, "its forward is already replaced (e.g. by an accelerate hook): left as it is")
+        return False
+    for attribute, value in attributes.items():
+        object.__setattr__(module, attribute, value)
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]  # per instance, on purpose
+    patched.instances.append((module, ("forward", *attributes)))
+    return True
+
+
+def _patch_norm(patched: _Patched, name: str, module: torch.nn.Module, family: Family) -> None:
+    eps_attribute = "eps" if family.norm_kind == "gemma" else "variance_epsilon"
+    weight = getattr(module, "weight", None)
+    if not (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and isinstance(getattr(module, eps_attribute, None), float)
+    ):
+        _warn(
+            patched.report,
+            name,
+            f"{type(module).__name__} without a 1-D weight and a float {eps_attribute}: left as it is",
+        )
+        return
+    if _set_forward(patched, name, module, forwards.NORM_FORWARDS[family.norm_kind]):
+        patched.report.norms.append(name)
+
+
+def _patch_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Family, config: Any) -> None:
+    activation = ACTIVATIONS.get(getattr(config, family.activation_attribute, None))  # type: ignore[arg-type]
+    projections = (
+        ("gate_up_proj", "down_proj") if family.mlp_kind == "packed" else ("gate_proj", "up_proj", "down_proj")
+    )
+    if activation is None:
+        why = f"activation {getattr(config, family.activation_attribute, None)!r} is not one our GLU ops fuse"
+        _warn(patched.report, name, f"{why}: left as it is")
+        return
+    if not all(isinstance(getattr(module, p, None), torch.nn.Module) for p in projections):
+        _warn(patched.report, name, f"{type(module).__name__} without {', '.join(projections)}: left as it is")
+        return
+    if _set_forward(patched, name, module, forwards.MLP_FORWARDS[family.mlp_kind], _fastops_activation=activation):
+        patched.report.mlps.append(name)
