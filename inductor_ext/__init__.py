@@ -4,7 +4,7 @@ Importing the package registers the ``torch.ops.fastops.*`` operators and the
 ``fastops_inductor`` torch.compile backend. It does not initialise CUDA.
 """
 
-from inductor_ext import nn
+from inductor_ext import models, nn
 from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
@@ -49,6 +49,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_ref",
     "load",
+    "models",
     "nn",
     "rms_norm",
     "rms_norm_ref",

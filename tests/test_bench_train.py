@@ -76,3 +76,16 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit):
         train.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_fine_tuning_example_runs_and_learns():
+    """examples/train_llama.py on CPU (eager here, to keep CI short; its default also compiles)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
+    command = [sys.executable, str(script), "--steps", "25", "--seq", "32", "--no-compile"]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "patched llama: 5 norms, 2 MLPs, RoPE True, fused LM head + loss True" in proc.stdout
+    final = float(proc.stdout.split("final loss ")[1].split()[0])
+    assert final < 0.75 * 5.5452  # ln(256) at the start: the counting task is being learned
