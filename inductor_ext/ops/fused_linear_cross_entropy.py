@@ -43,11 +43,19 @@ Memory beside the inputs, eager and compiled, for ``C`` rows per chunk and 16-bi
   chunk's logits are freed first), plus ``dhidden``. The default chunk (``C = H``) makes the two
   equal: ``6 V H`` bytes, 2.9 GiB at ``V = 128256, H = 4096`` (measured on the H200 at
   N = 8192: +3.06 GiB for a forward and backward, eager and compiled).
-* ``"weight_dtype"``: ``dweight`` (``V H`` elements, the weight's gradient itself) plus one
-  chunk of logits (``C V``) plus ``dhidden``. The default chunk is ``C = H / 4`` rows (rounded
-  down to a multiple of :data:`MATMUL_ROW_ALIGN`), so the logits take at most a quarter of
-  ``dweight``: ``2.5 V H`` bytes, 1.22 GiB at ``V = 128256, H = 4096``, of which ``2 V H``
+* ``"weight_dtype"``: ``dweight`` (``V H`` elements, the weight's gradient itself) plus
+  ``dhidden`` plus the larger of one chunk of logits (``C V``, during the loop) and ``dhidden``'s
+  chunks (``N H``, while they are concatenated): ``V H + N H + max(C V, N H)``. The default chunk
+  is ``C = H / 4`` rows (rounded down to a multiple of :data:`MATMUL_ROW_ALIGN`), so the logits
+  take at most a quarter of ``dweight``: ``2.5 V H`` bytes plus ``dhidden``, 1.22 GiB at
+  ``V = 128256, H = 4096`` (+ 0.06 GiB of ``dhidden`` at N = 8192), of which ``2 V H``
   (0.98 GiB) is the gradient a training step holds anyway. GPU peak not measured yet.
+
+The backward (``"mean"``/``"sum"``) scales the saved gradients by ``grad_output``. Plain eager
+with a graph that is not retained scales them in place (adding nothing to the above); traced
+(compiled, exported) or retained graphs write new tensors beside them, one more ``V H`` (and
+``N H`` where Inductor does not write over the donated ``dhidden``, as it does in the CPU graph):
+compiled, ``"weight_dtype"``'s peak is the backward's ``2 V H + N H``.
 
 For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
 for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
@@ -70,7 +78,13 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._library import Launch, define_op_family, define_opaque_mutating_op
+from inductor_ext.ops._library import (
+    DirectLaunch,
+    Launch,
+    define_op_family,
+    define_opaque_mutating_op,
+    kernels_run_on,
+)
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,
@@ -392,7 +406,26 @@ def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _scale_in_place(t: Tensor, grad_output: Tensor) -> Tensor:
+    """``t *= grad_output`` (0-dim) in fp32, rounded once, as the backward op's scaling; returns ``t``."""
+    if t.numel() == 0:
+        return t
+    if kernels_run_on(t.device):
+        launch_scale_rows(DirectLaunch(), t.view(1, -1), t.view(1, -1), grad_output)
+    else:
+        t.mul_(grad_output)  # a 0-dim fp32 factor: computed in fp32 (no rounding of grad_output to 16 bits)
+    return t
+
+
 def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Input gradients from the forward's (scaled by ``dloss``) or recomputed (``"none"``).
+
+    Plain eager (``bwd`` is the direct twin of the backward op) with a graph that is not retained
+    scales the saved gradients in place and returns them: they are freed after this backward
+    anyway, and a scaled copy would hold a second ``dweight`` (``V H``) and ``dhidden`` beside
+    them, which is the peak of ``weight_grad_accumulation="weight_dtype"``. Traced (the registered
+    op, functional) or retained graphs get the copy.
+    """
     no_grads: tuple[Tensor | None, ...] = (None,) * 14
     if dloss is None:
         return no_grads
@@ -402,6 +435,8 @@ def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, *_unused: Tensor | None)
     if reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         dx, dw, db = bwd(dloss, hidden, weight, labels, bias, empty, empty, empty, *options)
+    elif not isinstance(bwd, torch._ops.OpOverload) and not torch._C._autograd._get_current_graph_task_keep_graph():
+        dx, dw, db = (_scale_in_place(t, dloss) for t in ctx.saved_tensors)
     else:
         dx, dw, db = bwd(dloss, empty, empty, empty, None, *ctx.saved_tensors, *options)
     picked = [g if needed else None for g, needed in zip((dx, dw, db), grads)]

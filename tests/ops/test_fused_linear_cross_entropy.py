@@ -141,6 +141,38 @@ def test_weight_dtype_accumulation_is_exact_mode_for_float32():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("accumulation", WEIGHT_GRAD_ACCUMULATIONS)
+def test_eager_backward_scales_the_saved_gradients_in_place(accumulation):
+    """Eager, graph not retained: the backward returns the forward's dweight and dhidden scaled in place
+    (no second (V, H) buffer), with the bits the out-of-place scaling gives (a retained graph, which gets
+    the copy and can run its backward twice)."""
+    hidden, weight, labels, bias = _inputs(13, 16, 70, torch.bfloat16, with_bias=True)
+    kw = {"chunk_size": 4, "weight_grad_accumulation": accumulation}
+
+    def grads(retain_graph, saved_ptrs=None):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+
+        def pack(t):
+            if saved_ptrs is not None:
+                saved_ptrs.add(t.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = flce(leaves[0], leaves[1], labels, leaves[2], **kw) / 3  # grad_output 1/3, not a power of 2
+        loss.backward(retain_graph=retain_graph)
+        if retain_graph:
+            once = [t.grad.clone() for t in leaves]
+            loss.backward()
+            assert all(torch.equal(t.grad, 2 * g) for t, g in zip(leaves, once))
+            return once
+        return [t.grad for t in leaves]
+
+    saved: set[int] = set()
+    in_place = grads(retain_graph=False, saved_ptrs=saved)
+    assert {g.data_ptr() for g in in_place} <= saved
+    assert all(torch.equal(a, b) for a, b in zip(in_place, grads(retain_graph=True)))
+
+
 @pytest.mark.parametrize("kw", [{"label_smoothing": 0.2}, {"lse_square_scale": 1e-3}, {"softcap": 3.0}], ids=str)
 def test_options_match_float64(kw):
     _check_against_float64(9, 16, 300, torch.float32, True, chunk_size=4, **kw)
