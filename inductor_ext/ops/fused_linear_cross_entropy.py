@@ -5,12 +5,12 @@ Schemas::
 
     fastops::fused_linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias,
         int ignore_index, float label_smoothing, float lse_square_scale, float softcap, str reduction,
-        int chunk_size, bool grad_hidden, bool grad_weight, bool grad_bias)
+        int chunk_size, str weight_grad_accumulation, bool grad_hidden, bool grad_weight, bool grad_bias)
         -> (Tensor loss, Tensor dhidden, Tensor dweight, Tensor dbias)
     fastops::fused_linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor labels,
         Tensor? bias, Tensor dhidden, Tensor dweight, Tensor dbias, int ignore_index, float label_smoothing,
-        float lse_square_scale, float softcap, str reduction, int chunk_size, bool grad_hidden,
-        bool grad_weight, bool grad_bias) -> (Tensor dhidden, Tensor dweight, Tensor dbias)
+        float lse_square_scale, float softcap, str reduction, int chunk_size, str weight_grad_accumulation,
+        bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor dhidden, Tensor dweight, Tensor dbias)
     fastops::accumulate_matmul_(Tensor(a!) acc, Tensor a, Tensor b) -> ()
 
 ``loss = cross_entropy(hidden @ weight.T + bias, labels)`` without ever holding the
@@ -19,19 +19,43 @@ Schemas::
     logits = hidden_c @ weight.T (+ bias)        cuBLAS, in the inputs' dtype  (C, V)
     loss_c, logits <- dlogits                   the cross-entropy kernel, gradient written in place
     dhidden_c = dlogits @ weight                 one reduction over V in fp32, rounded once
-    dweight  += dlogits.T @ hidden_c             into an fp32 (V, H) buffer, in place (accumulate_matmul_)
-    dbias    += dlogits.sum(0)                   fp32
+    dweight  += dlogits.T @ hidden_c             in place (accumulate_matmul_), as weight_grad_accumulation says
+    dbias    += dlogits.sum(0)                   fp32, rounded to the bias' dtype after the last chunk
 
-and ``dweight``/``dbias`` are rounded to the weight's dtype once, after the last
-chunk: no chunk's contribution is rounded to 16 bits on its own (with a single
-chunk, the one matmul is rounded once). The mean's token count stays on the device.
+``weight_grad_accumulation`` picks where ``dweight`` accumulates (:data:`WEIGHT_GRAD_ACCUMULATIONS`):
 
-Memory beside the inputs, eager and compiled: the fp32 accumulator (``4 V H`` bytes)
-plus the larger of one chunk of logits (``C V`` elements, during the loop) and the
-rounded ``dweight`` (``V H``, after it: the last chunk's logits are freed first), plus
-``dhidden``. The default chunk (``C = H``) makes the two equal: ``6 V H`` bytes in
-16 bits, 2.9 GiB at ``V = 128256, H = 4096`` (measured on the H200 at N = 8192: +3.06 GiB
-for a forward and backward, eager and compiled).
+* ``"fp32"`` (the default, exact): in an fp32 ``(V, H)`` buffer, rounded to the weight's dtype
+  once, after the last chunk: no chunk's contribution is rounded to 16 bits on its own (with a
+  single chunk, the one matmul is rounded once).
+* ``"weight_dtype"`` (lower memory): in a buffer of the weight's dtype, which is the gradient
+  returned. Each chunk computes ``dweight + dlogits.T @ hidden_c`` in fp32 and rounds it once
+  (``addmm_``, the sum added in the GEMM's epilogue), so the running sum is rounded once per
+  chunk and the error grows like ``sqrt(num_chunks) * eps * |dweight|``: Liger-Kernel's numerics
+  (it ``addmm``'s each chunk into a 16-bit ``grad_weight``). For float32 weights both modes are one.
+
+The mean's token count stays on the device.
+
+Memory beside the inputs, eager and compiled, for ``C`` rows per chunk and 16-bit inputs
+(``dhidden`` is ``N H`` elements, the input gradient itself, in both):
+
+* ``"fp32"``: the fp32 accumulator (``4 V H`` bytes) plus the larger of one chunk of logits
+  (``C V`` elements, during the loop) and the rounded ``dweight`` (``V H``, after it: the last
+  chunk's logits are freed first), plus ``dhidden``. The default chunk (``C = H``) makes the two
+  equal: ``6 V H`` bytes, 2.9 GiB at ``V = 128256, H = 4096`` (measured on the H200 at
+  N = 8192: +3.06 GiB for a forward and backward, eager and compiled).
+* ``"weight_dtype"``: ``dweight`` (``V H`` elements, the weight's gradient itself) plus
+  ``dhidden`` plus the larger of one chunk of logits (``C V``, during the loop) and ``dhidden``'s
+  chunks (``N H``, while they are concatenated): ``V H + N H + max(C V, N H)``. The default chunk
+  is ``C = H / 4`` rows (rounded down to a multiple of :data:`MATMUL_ROW_ALIGN`), so the logits
+  take at most a quarter of ``dweight``: ``2.5 V H`` bytes plus ``dhidden``, 1.22 GiB at
+  ``V = 128256, H = 4096`` (+ 0.06 GiB of ``dhidden`` at N = 8192), of which ``2 V H``
+  (0.98 GiB) is the gradient a training step holds anyway. GPU peak not measured yet.
+
+The backward (``"mean"``/``"sum"``) scales the saved gradients by ``grad_output``. Plain eager
+with a graph that is not retained scales them in place (adding nothing to the above); traced
+(compiled, exported) or retained graphs write new tensors beside them, one more ``V H`` (and
+``N H`` where Inductor does not write over the donated ``dhidden``, as it does in the CPU graph):
+compiled, ``"weight_dtype"``'s peak is the backward's ``2 V H + N H``.
 
 For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
 for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
@@ -49,12 +73,18 @@ hidden_c`` would write each chunk's sum into a second fp32 ``(V, H)`` buffer.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._library import Launch, define_op_family, define_opaque_mutating_op
+from inductor_ext.ops._library import (
+    DirectLaunch,
+    Launch,
+    define_op_family,
+    define_opaque_mutating_op,
+    kernels_run_on,
+)
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,
@@ -77,6 +107,17 @@ May overwrite the chunk logits (a buffer of its own) with the gradient."""
 
 MATMUL_ROW_ALIGN = 128
 """Automatic chunk sizes are rounded down to a multiple of this (whole GEMM tiles)."""
+
+WeightGradAccumulation = Literal["fp32", "weight_dtype"]
+WEIGHT_GRAD_ACCUMULATIONS: tuple[str, ...] = get_args(WeightGradAccumulation)
+"""Values of ``weight_grad_accumulation``: ``"fp32"`` (exact: an fp32 accumulator, rounded once) and
+``"weight_dtype"`` (lower memory: accumulates in the gradient itself, rounded once per chunk)."""
+
+LOW_MEMORY_CHUNK_FRACTION = 4
+"""``"weight_dtype"``'s default chunk logits take at most ``1 / LOW_MEMORY_CHUNK_FRACTION`` of the
+weight's bytes (``C = H / 4`` rows), so ``dweight`` (the gradient, kept anyway) dominates the
+memory the op adds; ``"fp32"``'s default is the weight's size (``C = H``), which its fp32
+accumulator (twice the weight) dwarfs anyway."""
 
 
 def _math_chunk_loss(
@@ -118,15 +159,21 @@ _addmm_fp32_out_works: bool | None = None
 
 
 def _accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` into the fp32 ``acc``, the product never rounded to 16 bits.
+    """``acc += a @ b``, the product in fp32 and the sum rounded once to ``acc``'s dtype.
 
-    16-bit CUDA inputs: cuBLAS adds into ``acc`` in the GEMM epilogue (``beta=1``); where torch
-    refuses an fp32 ``out`` for 16-bit inputs (see :data:`_addmm_fp32_out_works`), a separate fp32
-    product is added (one more ``acc``-sized buffer). Otherwise fp32 products.
+    ``acc`` in ``a``'s dtype (``"weight_dtype"``): ``acc.addmm_(a, b)``, which cuBLAS (and CPU
+    aten) computes in fp32 with ``acc`` added in the epilogue, rounding the new sum once.
+    ``acc`` in fp32 (``"fp32"``), the product never rounded to 16 bits: for 16-bit CUDA inputs
+    cuBLAS adds into ``acc`` in the GEMM epilogue (``beta=1``); where torch refuses an fp32 ``out``
+    for 16-bit inputs (see :data:`_addmm_fp32_out_works`), a separate fp32 product is added (one
+    more ``acc``-sized buffer). Otherwise fp32 products.
     """
     global _addmm_fp32_out_works
-    if acc.dtype != torch.float32:
-        raise TypeError(f"fastops::accumulate_matmul_: acc must be float32, got {acc.dtype}")
+    if acc.dtype not in (torch.float32, a.dtype):
+        raise TypeError(f"fastops::accumulate_matmul_: acc must be float32 or a's dtype ({a.dtype}), got {acc.dtype}")
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
     if not _gemm_with_fp32_output(a):
         acc.addmm_(a.float(), b.float())
         return
@@ -150,11 +197,13 @@ reinplaces it in the chunk loop, where nothing else reads the old ``acc``: one `
 for all chunks. Plain eager calls the function directly (no dispatcher)."""
 
 
-def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor) -> Tensor:
-    """``acc + dlogits.T @ hidden`` in fp32: the first chunk's product (``acc`` None) is the
-    accumulator, later chunks add into it in place."""
+def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor, in_fp32: bool) -> Tensor:
+    """``acc + dlogits.T @ hidden``, in fp32 (``in_fp32``) or else in the inputs' dtype: the first
+    chunk's product (``acc`` None) is the accumulator, later chunks add into it in place."""
     a, b = dlogits.t(), hidden
     if acc is None:
+        if not in_fp32:
+            return a @ b  # the GEMM accumulates in fp32 and rounds once
         return torch.mm(a, b, out_dtype=torch.float32) if _gemm_with_fp32_output(a) else a.float() @ b.float()
     accumulate_matmul_(acc, a, b)
     return acc
@@ -168,13 +217,21 @@ def _chunked_loss_and_grads(
     bias: Tensor | None,
     options: CeOptions,
     chunk_size: int,
+    weight_grad_accumulation: str,
     grad_scale: Tensor | None,
     grads: tuple[bool, bool, bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Row losses (fp32) and the requested gradients ((0,) tensors for the others), ``chunk_size`` rows at a time.
+    """Row losses (fp32) and the requested gradients ((0,) tensors for the others), ``chunk_size`` rows at a time,
+    ``dweight`` accumulated as ``weight_grad_accumulation`` says.
 
     ``grad_scale`` multiplies each row's gradient: None, 0-dim, or ``(N,)``.
     """
+    if weight_grad_accumulation not in WEIGHT_GRAD_ACCUMULATIONS:  # direct op calls
+        raise ValueError(
+            f"fastops::fused_linear_cross_entropy: weight_grad_accumulation must be one of "
+            f"{WEIGHT_GRAD_ACCUMULATIONS}, got {weight_grad_accumulation!r}"
+        )
+    dw_in_fp32 = weight_grad_accumulation == "fp32"
     n = hidden.shape[0]
     need_dx, need_dw, need_db = grads
     labels = labels.contiguous()
@@ -185,7 +242,7 @@ def _chunked_loss_and_grads(
 
     def chunk_step(h_c: Tensor, labels_c: Tensor, scale_c: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """One chunk's row losses and ``dhidden`` rows (None unless requested), its ``dweight`` and
-        ``dbias`` added to the fp32 accumulators. A function of its own so that the chunk's ``(C, V)``
+        ``dbias`` added to the accumulators. A function of its own so that the chunk's ``(C, V)``
         logits are freed on return: the last chunk's are never alive beside the accumulator and the
         rounded ``dweight``."""
         nonlocal dw_acc, db_acc
@@ -195,7 +252,7 @@ def _chunked_loss_and_grads(
             return loss, None
         dx_c = _input_grad(dlogits, weight) if need_dx else None
         if need_dw:
-            dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c)
+            dw_acc = _accumulate_weight_grad(dw_acc, dlogits, h_c, dw_in_fp32)
         if need_db:
             db_c = dlogits.sum(0, dtype=torch.float32)
             db_acc = db_c if db_acc is None else db_acc + db_c
@@ -219,7 +276,7 @@ def _chunked_loss_and_grads(
     # distinct tensors for the gradients not computed: op outputs must not alias each other
     dw = weight.new_empty((0,))
     if need_dw:
-        dw = weight.new_zeros(weight.shape) if dw_acc is None else dw_acc.to(weight.dtype)
+        dw = weight.new_zeros(weight.shape) if dw_acc is None else dw_acc.to(weight.dtype)  # "weight_dtype": itself
     del dw_acc  # eager: frees the fp32 accumulator before dhidden's concatenation allocates
     dx = hidden.new_empty((0,))
     if need_dx:
@@ -230,23 +287,25 @@ def _chunked_loss_and_grads(
     return row_loss, dx, dw, db
 
 
-def _split_options(rest: Sequence[Any]) -> tuple[CeOptions, str, int, tuple[bool, bool, bool]]:
+def _split_options(rest: Sequence[Any]) -> tuple[CeOptions, str, int, str, tuple[bool, bool, bool]]:
     """The op arguments after the tensors, ``(ignore_index, label_smoothing, lse_square_scale, softcap,
-    reduction, chunk_size, grad_hidden, grad_weight, grad_bias)``, as (options, reduction, chunk_size, grads)."""
-    ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_size, grad_h, grad_w, grad_b = rest
+    reduction, chunk_size, weight_grad_accumulation, grad_hidden, grad_weight, grad_bias)``, as
+    (options, reduction, chunk_size, weight_grad_accumulation, grads)."""
+    ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_size, accumulation, *grads = rest
     options = (ignore_index, label_smoothing, lse_square_scale, softcap)
-    return options, reduction, chunk_size, (grad_h, grad_w, grad_b)
+    grad_h, grad_w, grad_b = grads
+    return options, reduction, chunk_size, accumulation, (grad_h, grad_w, grad_b)
 
 
 def _forward(chunk_loss: ChunkLoss, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward on ``fused_linear_cross_entropy_fwd``'s arguments, each chunk's cross-entropy by ``chunk_loss``."""
     hidden, weight, labels, bias, *rest = args
-    options, reduction, chunk_size, grads = _split_options(rest)
+    options, reduction, chunk_size, accumulation, grads = _split_options(rest)
     count, grad_scale = count_and_grad_scale(labels, options[0], reduction)
     if reduction == "none":  # gradients come from the backward, which knows each row's grad_output
         grads = (False, False, False)
     row_loss, dx, dw, db = _chunked_loss_and_grads(
-        chunk_loss, hidden, weight, labels, bias, options, chunk_size, grad_scale, grads
+        chunk_loss, hidden, weight, labels, bias, options, chunk_size, accumulation, grad_scale, grads
     )
     return reduce_loss(row_loss, count, reduction), dx, dw, db
 
@@ -262,13 +321,14 @@ def fused_linear_cross_entropy_fwd_math(
     softcap: float,
     reduction: str,
     chunk_size: int,
+    weight_grad_accumulation: str,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Aten-only forward (CPU branch and decomposition): the same chunk loop, cross-entropy in aten ops."""
     args = (hidden, weight, labels, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
-            chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
+            chunk_size, weight_grad_accumulation, grad_hidden, grad_weight, grad_bias)  # fmt: skip
     return _forward(_math_chunk_loss, args)
 
 
@@ -283,10 +343,10 @@ def _backward_impl(
     """The backward on ``fused_linear_cross_entropy_bwd``'s arguments: the forward's gradients times
     ``grad_output`` by ``scale``, or (``"none"``) recomputed with each chunk's cross-entropy by ``chunk_loss``."""
     grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, *rest = args
-    options, reduction, chunk_size, grads = _split_options(rest)
+    options, reduction, chunk_size, accumulation, grads = _split_options(rest)
     if reduction == "none":
         _loss, dx, dw, db = _chunked_loss_and_grads(
-            chunk_loss, hidden, weight, labels, bias, options, chunk_size, grad_output, grads
+            chunk_loss, hidden, weight, labels, bias, options, chunk_size, accumulation, grad_output, grads
         )
         return dx, dw, db
     return scale(dhidden, grad_output), scale(dweight, grad_output), scale(dbias, grad_output)
@@ -311,13 +371,15 @@ def fused_linear_cross_entropy_bwd_math(
     softcap: float,
     reduction: str,
     chunk_size: int,
+    weight_grad_accumulation: str,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Aten-only backward: scale the forward's gradients by ``grad_output``, or recompute them (``"none"``)."""
     args = (grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, ignore_index, label_smoothing,
-            lse_square_scale, softcap, reduction, chunk_size, grad_hidden, grad_weight, grad_bias)  # fmt: skip
+            lse_square_scale, softcap, reduction, chunk_size, weight_grad_accumulation, grad_hidden, grad_weight,
+            grad_bias)  # fmt: skip
     return _backward_impl(_scale_math, _math_chunk_loss, args)
 
 
@@ -344,16 +406,37 @@ def _setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _scale_in_place(t: Tensor, grad_output: Tensor) -> Tensor:
+    """``t *= grad_output`` (0-dim) in fp32, rounded once, as the backward op's scaling; returns ``t``."""
+    if t.numel() == 0:
+        return t
+    if kernels_run_on(t.device):
+        launch_scale_rows(DirectLaunch(), t.view(1, -1), t.view(1, -1), grad_output)
+    else:
+        t.mul_(grad_output)  # a 0-dim fp32 factor: computed in fp32 (no rounding of grad_output to 16 bits)
+    return t
+
+
 def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
-    no_grads: tuple[Tensor | None, ...] = (None,) * 13
+    """Input gradients from the forward's (scaled by ``dloss``) or recomputed (``"none"``).
+
+    Plain eager (``bwd`` is the direct twin of the backward op) with a graph that is not retained
+    scales the saved gradients in place and returns them: they are freed after this backward
+    anyway, and a scaled copy would hold a second ``dweight`` (``V H``) and ``dhidden`` beside
+    them, which is the peak of ``weight_grad_accumulation="weight_dtype"``. Traced (the registered
+    op, functional) or retained graphs get the copy.
+    """
+    no_grads: tuple[Tensor | None, ...] = (None,) * 14
     if dloss is None:
         return no_grads
     options = ctx.options
-    reduction, grads = options[4], options[6:]
+    reduction, grads = options[4], options[7:]
     empty = dloss.new_empty((0,))
     if reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         dx, dw, db = bwd(dloss, hidden, weight, labels, bias, empty, empty, empty, *options)
+    elif not isinstance(bwd, torch._ops.OpOverload) and not torch._C._autograd._get_current_graph_task_keep_graph():
+        dx, dw, db = (_scale_in_place(t, dloss) for t in ctx.saved_tensors)
     else:
         dx, dw, db = bwd(dloss, empty, empty, empty, None, *ctx.saved_tensors, *options)
     picked = [g if needed else None for g, needed in zip((dx, dw, db), grads)]
@@ -372,16 +455,25 @@ fused_linear_cross_entropy_family = define_op_family(
 
 
 def resolve_chunk_size(
-    num_classes: int, hidden_size: int, itemsize: int, chunk_size: int | None, memory_budget_bytes: int | None
+    num_classes: int,
+    hidden_size: int,
+    itemsize: int,
+    chunk_size: int | None,
+    memory_budget_bytes: int | None,
+    weight_grad_accumulation: str = "fp32",
 ) -> int:
     """Rows per chunk: ``chunk_size`` if given; else as many rows as ``memory_budget_bytes`` of chunk logits
-    hold (default budget: the weight's size, so the chunk logits are ``H`` rows), rounded down to a
-    multiple of ``MATMUL_ROW_ALIGN`` when at least that many fit."""
+    hold, rounded down to a multiple of ``MATMUL_ROW_ALIGN`` when at least that many fit. Default budget:
+    the weight's size for ``"fp32"`` (``H`` rows), a :data:`LOW_MEMORY_CHUNK_FRACTION` of it for
+    ``"weight_dtype"`` (``H / 4`` rows)."""
     if chunk_size is not None:
         return chunk_size
     row_bytes = num_classes * itemsize
-    budget = memory_budget_bytes if memory_budget_bytes is not None else num_classes * hidden_size * itemsize
-    rows = budget // row_bytes
+    if memory_budget_bytes is None:
+        fraction = LOW_MEMORY_CHUNK_FRACTION if weight_grad_accumulation == "weight_dtype" else 1
+        rows = max(hidden_size // fraction, 1)
+    else:
+        rows = memory_budget_bytes // row_bytes
     if rows < 1:
         raise ValueError(
             f"fused_linear_cross_entropy: memory_budget_bytes={memory_budget_bytes} is smaller than one row of "
@@ -390,7 +482,9 @@ def resolve_chunk_size(
     return rows - rows % MATMUL_ROW_ALIGN if rows >= MATMUL_ROW_ALIGN else rows
 
 
-def _check_inputs(hidden: Any, weight: Any, labels: Any, bias: Any, chunk_size: Any, memory_budget_bytes: Any) -> None:
+def _check_inputs(
+    hidden: Any, weight: Any, labels: Any, bias: Any, chunk_size: Any, memory_budget_bytes: Any, accumulation: Any
+) -> None:
     op = "fused_linear_cross_entropy"
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, Tensor):
@@ -427,6 +521,10 @@ def _check_inputs(hidden: Any, weight: Any, labels: Any, bias: Any, chunk_size: 
             raise ValueError(f"{op}: {name} must be None or a positive int, got {value!r}")
     if chunk_size is not None and memory_budget_bytes is not None:
         raise ValueError(f"{op}: give chunk_size or memory_budget_bytes, not both")
+    if not isinstance(accumulation, str) or accumulation not in WEIGHT_GRAD_ACCUMULATIONS:
+        raise ValueError(
+            f"{op}: weight_grad_accumulation must be one of {WEIGHT_GRAD_ACCUMULATIONS}, got {accumulation!r}"
+        )
 
 
 def fused_linear_cross_entropy(
@@ -442,6 +540,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     memory_budget_bytes: int | None = None,
+    weight_grad_accumulation: WeightGradAccumulation = "fp32",
 ) -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the ``(N, V)`` logits.
 
@@ -455,17 +554,25 @@ def fused_linear_cross_entropy(
             (the mean is NaN when every label is ignored, with zero gradients).
         chunk_size: rows of logits computed at a time.
         memory_budget_bytes: instead of ``chunk_size``, the bytes one chunk of logits may take
-            (default: the weight's size, i.e. ``H`` rows per chunk).
+            (default: the weight's size, i.e. ``H`` rows per chunk; a quarter of it, ``H / 4`` rows,
+            with ``weight_grad_accumulation="weight_dtype"``).
+        weight_grad_accumulation: where the weight's gradient accumulates over the chunks.
+            ``"fp32"`` (default): an fp32 ``(V, H)`` buffer rounded once at the end (exact, ``4 V H``
+            bytes more). ``"weight_dtype"``: the gradient itself, in the weight's dtype, each chunk's
+            sum rounded once (Liger-Kernel's numerics: relative error about ``sqrt(chunks) * eps``
+            of the dtype). The module docstring gives each mode's memory.
 
     Returns:
         The loss in float32, 0-dim unless ``reduction="none"`` (then ``labels``' shape).
     """
-    _check_inputs(hidden, weight, labels, bias, chunk_size, memory_budget_bytes)
+    _check_inputs(hidden, weight, labels, bias, chunk_size, memory_budget_bytes, weight_grad_accumulation)
     check_loss_options(
         "fused_linear_cross_entropy", ignore_index, reduction, label_smoothing, lse_square_scale, softcap
     )
     num_classes, hidden_size = weight.shape
-    chunk = resolve_chunk_size(num_classes, hidden_size, hidden.element_size(), chunk_size, memory_budget_bytes)
+    chunk = resolve_chunk_size(
+        num_classes, hidden_size, hidden.element_size(), chunk_size, memory_budget_bytes, weight_grad_accumulation
+    )
     hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
     labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -478,7 +585,7 @@ def fused_linear_cross_entropy(
     )
     options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0))
     loss, *_grads = fused_linear_cross_entropy_family(
-        hidden2d, weight, labels1d, bias, *options, reduction, chunk, *grads
+        hidden2d, weight, labels1d, bias, *options, reduction, chunk, weight_grad_accumulation, *grads
     )
     return loss.view(labels.shape) if reduction == "none" else loss
 
