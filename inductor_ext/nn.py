@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from inductor_ext.ops.cross_entropy import cross_entropy
-from inductor_ext.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.layer_norm import layer_norm
 from inductor_ext.ops.rms_norm import add_rms_norm, rms_norm
 
@@ -140,6 +140,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         softcap: float | None = None,
         chunk_size: int | None = None,
         memory_budget_bytes: int | None = None,
+        weight_grad_accumulation: WeightGradAccumulation = "fp32",
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -149,6 +150,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         self.softcap = softcap
         self.chunk_size = chunk_size
         self.memory_budget_bytes = memory_budget_bytes
+        self.weight_grad_accumulation = weight_grad_accumulation
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
         return fused_linear_cross_entropy(
@@ -163,6 +165,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             softcap=self.softcap,
             chunk_size=self.chunk_size,
             memory_budget_bytes=self.memory_budget_bytes,
+            weight_grad_accumulation=self.weight_grad_accumulation,
         )
 
     def extra_repr(self) -> str:

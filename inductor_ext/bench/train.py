@@ -57,10 +57,13 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "liger_eager": None,
     "patched_eager": None,
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
+    "patched_eager_weight_dtype": None,
+    "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
 }
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
-patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss)."""
+patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss;
+``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CATEGORIES = ("gemm", "attention", "optimizer", "other")
@@ -125,7 +128,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     if provider.startswith("patched_"):
         from inductor_ext import models
 
-        models.apply(model)
+        weight_dtype = provider.endswith("_weight_dtype")
+        models.apply(model, weight_grad_accumulation="weight_dtype" if weight_dtype else "fp32")
     step = make_step(model, provider, args.attention_mask)
     data = batches(
         args.warmup + args.steps + 1 + args.profile_steps,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inductor_ext.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
 from inductor_ext.ops.rope import apply_rotary_pos_emb
@@ -70,6 +70,7 @@ def causal_lm_loss(
     num_items_in_batch: Any = None,
     ignore_index: int = -100,
     shift_labels: Tensor | None = None,
+    weight_grad_accumulation: WeightGradAccumulation = "fp32",
 ) -> Tensor:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden_states)``, without the logits.
 
@@ -87,7 +88,7 @@ def causal_lm_loss(
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = fused_linear_cross_entropy(
         hidden, weight, shift_labels.reshape(-1).to(hidden.device), ignore_index=ignore_index, reduction=reduction,
-        softcap=softcap,
+        softcap=softcap, weight_grad_accumulation=weight_grad_accumulation,
     )  # fmt: skip
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -116,7 +117,7 @@ def causal_lm_forward(
         logits_scaling=config.logits_scaling if self._fastops_family.logits_scaling else None,
         softcap=config.final_logit_softcapping if self._fastops_family.final_softcap else None,
         num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
-        shift_labels=kwargs.get("shift_labels"),
+        shift_labels=kwargs.get("shift_labels"), weight_grad_accumulation=self._fastops_weight_grad_accumulation,
     )  # fmt: skip
     fields = {name: getattr(outputs, name, None) for name in ("hidden_states", "attentions")}
     for cache_field in ("cache", "past_key_values"):  # transformers renamed it in 5.2x

@@ -33,6 +33,7 @@ import torch
 
 from inductor_ext.models import forwards
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
+from inductor_ext.ops.fused_linear_cross_entropy import WEIGHT_GRAD_ACCUMULATIONS, WeightGradAccumulation
 
 
 class PatchWarning(UserWarning):
@@ -69,15 +70,31 @@ _ROPE_PATCHES: dict[str, tuple[Callable[..., Any], int]] = {}
 
 
 def apply(
-    model: torch.nn.Module, *, norms: bool = True, mlps: bool = True, rope: bool = True, loss: bool = True
+    model: torch.nn.Module,
+    *,
+    norms: bool = True,
+    mlps: bool = True,
+    rope: bool = True,
+    loss: bool = True,
+    weight_grad_accumulation: WeightGradAccumulation = "fp32",
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
+
+    ``weight_grad_accumulation`` is the fused loss's memory mode for the LM head's gradient
+    (:func:`inductor_ext.fused_linear_cross_entropy`): ``"fp32"`` (exact, an fp32 ``(V, H)``
+    accumulator) or ``"weight_dtype"`` (accumulated in the weight's dtype, as Liger-Kernel does:
+    no accumulator, one rounding per chunk).
 
     Returns a :class:`PatchReport`; what was left alone is also reported by :class:`PatchWarning`s.
     Raises ``ValueError`` if the model is already patched, ``TypeError`` if it is not a module.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"inductor_ext.models.apply: model must be a torch.nn.Module, got {type(model).__name__}")
+    if weight_grad_accumulation not in WEIGHT_GRAD_ACCUMULATIONS:
+        raise ValueError(
+            f"inductor_ext.models.apply: weight_grad_accumulation must be one of {WEIGHT_GRAD_ACCUMULATIONS}, "
+            f"got {weight_grad_accumulation!r}"
+        )
     hf_model = _unwrap(model)
     if hf_model in _PATCHED:
         raise ValueError(f"inductor_ext.models.apply: {type(hf_model).__name__} is already patched")
@@ -111,7 +128,8 @@ def apply(
             _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
     if loss:
         if type(hf_model) is classes[family.causal_lm]:
-            if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, _fastops_family=family):
+            attributes = {"_fastops_family": family, "_fastops_weight_grad_accumulation": weight_grad_accumulation}
+            if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
                 report.loss = True
         else:
             _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: the loss is left as it is")
@@ -146,7 +164,7 @@ def unapply(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def patched(model: torch.nn.Module, **switches: bool) -> Iterator[PatchReport]:
+def patched(model: torch.nn.Module, **switches: Any) -> Iterator[PatchReport]:
     """``with patched(model) as report:`` :func:`apply` on entry, :func:`unapply` on exit."""
     report = apply(model, **switches)
     try:

@@ -114,6 +114,19 @@ def test_loss_keeps_hf_semantics():
         torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=1e-6)
 
 
+def test_lower_memory_weight_gradient_mode_is_passed_to_the_loss():
+    """``weight_grad_accumulation="weight_dtype"``: in fp32 the two modes give the same gradient."""
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    ids = _batches(1)[0]
+    with models.patched(model, weight_grad_accumulation="weight_dtype"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="weight_grad_accumulation must be one of"):
+        models.apply(model, weight_grad_accumulation="bf16")
+
+
 def test_evaluation_and_calls_without_labels_return_logits():
     reference = tiny_model("qwen3")
     model = copy.deepcopy(reference)
