@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import triton
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.bench.harness import Inputs, Provider, Result, rel_err, run_providers
 from inductor_ext.ops.fused_linear_cross_entropy import (
     WEIGHT_GRAD_ACCUMULATIONS,
     WeightGradAccumulation,
@@ -141,10 +141,6 @@ def liger_style_weight_grad(
     return grad_weight
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def weight_grad_numerics(
     shape: tuple[int, int, int] = NUMERICS_SHAPE,
     dtype: torch.dtype = torch.bfloat16,
@@ -172,16 +168,16 @@ def weight_grad_numerics(
         w = weight.clone().requires_grad_()
         loss = fused_linear_cross_entropy(hidden, w, labels, chunk_size=chunk_size, weight_grad_accumulation=mode)
         (dw,) = torch.autograd.grad(loss, w)
-        return _rel_err(dw, ref)
+        return rel_err(dw, ref)
 
-    floor = _rel_err(ref.to(dtype), ref)
+    floor = rel_err(ref.to(dtype), ref)
     rows: list[dict[str, Any]] = []
     for chunks in chunk_counts:
         chunk = math.ceil(n / chunks)
         rows.append({
             "chunks": chunks, "chunk_rows": chunk, "fp32": ours("fp32", chunk),
             "weight_dtype": ours("weight_dtype", chunk),
-            "liger_style": _rel_err(liger_style_weight_grad(hidden, weight, labels, chunk), ref),
+            "liger_style": rel_err(liger_style_weight_grad(hidden, weight, labels, chunk), ref),
             "rounding_floor": floor,
         })  # fmt: skip
     liger_chunk = liger_chunk_size(n, h, v)
@@ -192,7 +188,7 @@ def weight_grad_numerics(
     rows.append({
         "chunks": None, "default_chunks": {**default_chunks, "liger_style": math.ceil(n / liger_chunk)},
         "fp32": ours("fp32", None), "weight_dtype": ours("weight_dtype", None),
-        "liger_style": _rel_err(liger_style_weight_grad(hidden, weight, labels, liger_chunk), ref),
+        "liger_style": rel_err(liger_style_weight_grad(hidden, weight, labels, liger_chunk), ref),
         "rounding_floor": floor,
     })  # fmt: skip
     return rows
