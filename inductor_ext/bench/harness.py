@@ -127,9 +127,12 @@ def run_child(command: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def kernel_class(name: str) -> str:
-    """``"gemm"`` (cuBLAS/cuBLASLt, CUTLASS), ``"attention"`` (SDPA's flash/cuDNN kernels) or
-    ``"other"`` (what Inductor and our ops generate: pointwise, reductions, memsets) for a GPU kernel name."""
+    """``"gemm"`` (cuBLAS/cuBLASLt, CUTLASS), ``"attention"`` (SDPA's flash/cuDNN kernels), ``"optimizer"``
+    (PyTorch's fused/foreach optimizer kernels) or ``"other"`` (what Inductor and our ops generate:
+    pointwise, reductions, memsets) for a GPU kernel name."""
     lowered = name.lower()
+    if "multi_tensor_apply" in lowered or "adam" in lowered:
+        return "optimizer"
     if lowered.startswith("nvjet") or any(s in lowered for s in ("gemm", "xmma", "cutlass")):
         return "gemm"
     if any(s in lowered for s in ("sdpa", "flash", "fmha", "cudnn::fusion")):
@@ -154,7 +157,7 @@ def kernel_us(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
 
 def kernel_us_by_class(kernels: Mapping[str, float]) -> dict[str, float]:
     """:func:`kernel_us` summed per :func:`kernel_class`."""
-    classes = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    classes = {"gemm": 0.0, "attention": 0.0, "optimizer": 0.0, "other": 0.0}
     for name, us in kernels.items():
         classes[kernel_class(name)] += us
     return classes

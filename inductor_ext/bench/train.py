@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import fresh_cache_env, kernel_class, print_child_result, run_child
+from inductor_ext.bench.harness import (
+    fresh_cache_env,
+    kernel_class,
+    kernel_us,
+    kernel_us_by_class,
+    print_child_result,
+    run_child,
+)
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -66,7 +73,8 @@ patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused li
 ``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
-CATEGORIES = ("gemm", "attention", "optimizer", "other")
+CATEGORIES = tuple(kernel_us_by_class({}))
+"""The harness's kernel classes (:func:`inductor_ext.bench.harness.kernel_class`)."""
 LEARNING_RATE = 1e-4
 
 
@@ -158,10 +166,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     kernels = _profile(step, data[1 + args.warmup + args.steps :], device) if args.profile_steps else {}
     median_s = statistics.median(step_s)
-    categories = dict.fromkeys(CATEGORIES, 0.0)
-    for name, ms in kernels.items():
-        categories[train_kernel_class(name)] += ms
-    others = sorted(((ms, name) for name, ms in kernels.items() if train_kernel_class(name) == "other"), reverse=True)
+    categories = kernel_us_by_class(kernels)  # the per-class sum; here in ms
     return {
         "provider": provider,
         "tokens_per_s": args.batch * args.seq / median_s,
@@ -172,34 +177,16 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         "losses": [float(loss) for loss in losses],
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
-        "top_other_kernels_ms": {name: ms for ms, name in others[:25]},
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
     }
 
 
-def train_kernel_class(name: str) -> str:
-    """:func:`inductor_ext.bench.harness.kernel_class`, with the optimizer's kernels apart."""
-    lowered = name.lower()
-    if "multi_tensor_apply" in lowered or "adam" in lowered:
-        return "optimizer"
-    return kernel_class(name)
-
-
 def _profile(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor], device: str) -> dict[str, float]:
     """GPU ms per step in each kernel (by name), from the profiler over the given batches."""
-    from torch.profiler import ProfilerActivity, profile
-
     if device != "cuda":
         return {}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for ids in data:
-            step(ids)
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3 / len(data)
-    return totals
+    remaining = iter(data)
+    return {name: us / 1e3 for name, us in kernel_us(lambda: step(next(remaining)), steps=len(data)).items()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -320,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tabulate(rows, headers="keys"))
     for name, r in results.items():
         for category in ("attention", "other"):
-            top = [(k, v) for k, v in r["kernels_ms"].items() if train_kernel_class(k) == category][:6]
+            top = [(k, v) for k, v in r["kernels_ms"].items() if kernel_class(k) == category][:6]
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
     if results and args.device == "cuda":
         plot(results, args.out / f"{stem}.png", f"{args.model}, {args.batch} x {args.seq} tokens, bf16, AdamW")
