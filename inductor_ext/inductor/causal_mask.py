@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
+from inductor_ext.inductor.patterns import _is_call, _value
+
 aten = torch.ops.aten
 
 SDPA_TARGETS = (
@@ -80,16 +82,23 @@ def rewrite_causal_masks(gm: GraphModule, *, assume_no_padding: bool = False) ->
     """Rewrite, in place, each SDPA call of ``gm`` whose mask is provably causal (module docstring)."""
     result = MaskRewrites()
     assumed: dict[Node, None] = {}
+    proofs: dict[tuple[Node, str, str], list[Node] | _NotCausal] = {}
+    """One proof per mask and query/key lengths: a model's layers share one mask."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         args = _sdpa_arguments(node)
         if args is None or args["attn_mask"] is None or args["is_causal"] is not False:
             continue
-        try:
-            padding = _prove_causal(gm, node, args, assume_no_padding)
-        except _NotCausal as reason:
-            result.kept[node.name] = str(reason)
+        key = (args["attn_mask"], str(_value(args["query"]).shape[-2]), str(_value(args["key"]).shape[-2]))
+        if key not in proofs:
+            try:
+                proofs[key] = _prove_causal(gm, node, args, assume_no_padding)
+            except _NotCausal as reason:
+                proofs[key] = reason
+        padding = proofs[key]
+        if isinstance(padding, _NotCausal):
+            result.kept[node.name] = str(padding)
             continue
         assumed.update(dict.fromkeys(padding))
         args["attn_mask"], args["is_causal"] = None, True
@@ -122,13 +131,6 @@ def _sdpa_arguments(node: Node) -> dict[str, Any] | None:
     args.setdefault("attn_mask", None)
     args.setdefault("is_causal", False)
     return args
-
-
-def _value(node: Any) -> Any:
-    """The traced value of a node: Dynamo's ``example_value``, export's ``val``, or the constant."""
-    if not isinstance(node, Node):
-        return node
-    return node.meta.get("example_value", node.meta.get("val"))
 
 
 # ------------------------------------------------------------------- the proof
@@ -388,21 +390,20 @@ def _ungroup_repeated_kv(args: dict[str, Any]) -> bool:
 
 def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
     """``(x, n)`` for ``x[:, :, None].expand(B, H, n, S, D).reshape(B, H*n, S, D)`` (or unsqueeze, or aten)."""
-    if not _is_call(
-        node, ("reshape", "view"), (torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-    ):
+    reshapes = (torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+    if not _is_call(node, reshapes, ("reshape", "view")):
         return None
     expand = node.args[0]
-    if _is_call(expand, (), (aten.clone.default,)):
+    if _is_call(expand, (aten.clone.default,)):
         expand = expand.args[0]
-    if not _is_call(expand, ("expand",), (aten.expand.default,)):
+    if not _is_call(expand, (aten.expand.default,), ("expand",)):
         return None
     inserted = expand.args[0]
     source: Any = None
     if (
-        _is_call(inserted, ("unsqueeze",), (torch.unsqueeze, aten.unsqueeze.default))
+        _is_call(inserted, (torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",))
         and tuple(inserted.args[1:]) == (2,)
-        or _is_call(inserted, (), (operator.getitem,))
+        or _is_call(inserted, (operator.getitem,))
         and _is_none_at_2(inserted.args[1])
     ):
         source = inserted.args[0]
@@ -419,14 +420,6 @@ def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
     ):
         return None
     return source, n_rep
-
-
-def _is_call(node: Any, methods: tuple[str, ...], functions: tuple[Any, ...]) -> bool:
-    if not isinstance(node, Node) or not node.args:
-        return False
-    return (node.op == "call_method" and node.target in methods) or (
-        node.op == "call_function" and node.target in functions
-    )
 
 
 def _is_none_at_2(index: Any) -> bool:

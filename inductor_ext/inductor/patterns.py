@@ -63,8 +63,9 @@ def apply_rewrites(gm: GraphModule) -> dict[str, int]:
 
 
 def _value(node: Any) -> Any:
-    """The example value Dynamo recorded for a node (a fake tensor), or the constant itself."""
-    return node.meta.get("example_value") if isinstance(node, Node) else node
+    """The example value Dynamo recorded for a node (a fake tensor; ``val`` in a ``torch.export``
+    graph), or the constant itself."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
 
 
 def _is_call(node: Any, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> TypeGuard[Node]:
