@@ -3,6 +3,15 @@
 import torch
 
 
+def lm_step(model, ids, **compile_args):
+    """One causal-LM training step's output and parameter gradients (labels = ``ids``), eager or
+    ``torch.compile(model, fullgraph=True, **compile_args)``."""
+    forward = torch.compile(model, fullgraph=True, **compile_args) if compile_args else model
+    output = forward(input_ids=ids, labels=ids)
+    grads = torch.autograd.grad(output.loss, [p for p in model.parameters() if p.requires_grad])
+    return output, grads
+
+
 def run_and_get_joined_code(fn, *args):
     """``fn(*args)`` and the code Inductor generated while it ran, as one string."""
     from torch._inductor.utils import run_and_get_code

@@ -8,17 +8,11 @@ from torch._dynamo.utils import counters
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.train import build_model
+from tests.gpu.compile_checks import lm_step
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
-
-
-def _loss_and_grads(model, ids, **compile_args):
-    forward = torch.compile(model, fullgraph=True, **compile_args) if compile_args else model
-    loss = forward(input_ids=ids, labels=ids).loss
-    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
-    return loss.detach(), grads
 
 
 def test_hf_llama_training_step_runs_causal_sdpa(tmp_path, monkeypatch):
@@ -27,9 +21,10 @@ def test_hf_llama_training_step_runs_causal_sdpa(tmp_path, monkeypatch):
     counters.clear()
     model = build_model("tiny-llama", "cuda", torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda")
-    eager_loss, eager_grads = _loss_and_grads(model, ids)
-    stock_loss, stock_grads = _loss_and_grads(model, ids, backend="inductor")
-    ours_loss, ours_grads = _loss_and_grads(model, ids, backend="fastops_inductor")
+    eager, eager_grads = lm_step(model, ids)
+    stock, stock_grads = lm_step(model, ids, backend="inductor")
+    ours, ours_grads = lm_step(model, ids, backend="fastops_inductor")
+    eager_loss, stock_loss, ours_loss = eager.loss.detach(), stock.loss.detach(), ours.loss.detach()
 
     assert counters["inductor_ext"]["rewrite_causal_mask"] == model.config.num_hidden_layers
     assert abs(ours_loss - eager_loss) <= 2 * abs(stock_loss - eager_loss) + 1e-2 * abs(eager_loss)

@@ -10,17 +10,11 @@ from torch._dynamo.utils import counters
 
 from inductor_ext import models
 from inductor_ext.bench.train import build_model
+from tests.gpu.compile_checks import lm_step
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
-
-
-def _loss_and_grads(model, ids, **compile_args):
-    forward = torch.compile(model, fullgraph=True, **compile_args) if compile_args else model
-    output = forward(input_ids=ids, labels=ids)
-    grads = torch.autograd.grad(output.loss, list(model.parameters()))
-    return output, grads
 
 
 @pytest.mark.parametrize("accumulation", ["fp32", "weight_dtype"])
@@ -31,12 +25,12 @@ def test_patched_llama_matches_eager_within_compile_noise(tmp_path, monkeypatch,
     counters.clear()
     reference = build_model("tiny-llama", "cuda", torch.bfloat16)
     ids = torch.randint(0, reference.config.vocab_size, (2, 512), device="cuda")
-    eager, eager_grads = _loss_and_grads(reference, ids)
-    stock, stock_grads = _loss_and_grads(reference, ids, backend="inductor")  # torch.compile's own noise
+    eager, eager_grads = lm_step(reference, ids)
+    stock, stock_grads = lm_step(reference, ids, backend="inductor")  # torch.compile's own noise
 
     model = copy.deepcopy(reference)
     with models.patched(model, weight_grad_accumulation=accumulation):
-        ours, ours_grads = _loss_and_grads(model, ids, **({"backend": backend} if backend else {}))
+        ours, ours_grads = lm_step(model, ids, **({"backend": backend} if backend else {}))
     assert ours.logits is None
     assert not counters["graph_break"]
     noise = abs(stock.loss - eager.loss).item()
