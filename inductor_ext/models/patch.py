@@ -189,7 +189,7 @@ def _set_forward(patched: _Patched, name: str, module: torch.nn.Module, forward:
         _warn(patched.report, name, "its forward is already replaced (e.g. by an accelerate hook): left as it is")
         return False
     for attribute, value in attributes.items():
-        object.__setattr__(module, attribute, value)
+        setattr(module, attribute, value)
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]  # per instance, on purpose
     patched.instances.append((module, ("forward", *attributes)))
     return True
