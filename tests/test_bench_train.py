@@ -89,3 +89,14 @@ def test_fine_tuning_example_runs_and_learns():
     assert "patched llama: 5 norms, 2 MLPs, RoPE True, fused LM head + loss True" in proc.stdout
     final = float(proc.stdout.split("final loss ")[1].split()[0])
     assert final < 0.75 * 5.5452  # ln(256) at the start: the counting task is being learned
+
+
+def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
+    from inductor_ext.bench.harness import ClockSampler, mean_clock_and_power
+
+    assert mean_clock_and_power("1980, 120.5\n1500, 699.5\n17") == {"sm_clock_mhz": 1740.0, "power_w": 410.0}
+    assert mean_clock_and_power("[N/A], [N/A]\n") is None
+    with ClockSampler() as clocks:
+        pass
+    if not torch.cuda.is_available():
+        assert clocks.mean is None

@@ -12,12 +12,13 @@ import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -138,6 +139,49 @@ def kernel_class(name: str) -> str:
     if any(s in lowered for s in ("sdpa", "flash", "fmha", "cudnn::fusion")):
         return "attention"
     return "other"
+
+
+class ClockSampler:
+    """The GPU's mean SM clock (MHz) and board power (W) while the ``with`` block runs, sampled by
+    ``nvidia-smi`` every ``period_ms``; ``mean`` is None without ``nvidia-smi`` or a GPU.
+
+    An H200 at its 700 W power limit lowers its SM clock (1980 MHz idle-to-moderate load, about
+    1750 in a dense compiled training step), and compute-bound kernels (GEMMs, attention) slow
+    down with it: a kernel's time in two runs compares only at the same clock.
+    """
+
+    def __init__(self, period_ms: int = 50) -> None:
+        self.period_ms = period_ms
+        self.mean: dict[str, float] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> Self:
+        uuid = getattr(torch.cuda.get_device_properties(), "uuid", None) if torch.cuda.is_available() else None
+        if uuid is not None and shutil.which("nvidia-smi"):
+            command = ["nvidia-smi", "-i", f"GPU-{uuid}", "--query-gpu=clocks.sm,power.draw",
+                       "--format=csv,noheader,nounits", "-lms", str(self.period_ms)]  # fmt: skip
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate()
+            self.mean = mean_clock_and_power(out)
+
+
+def mean_clock_and_power(smi_csv: str) -> dict[str, float] | None:
+    """Mean of ``nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`` lines."""
+    samples = []
+    for line in smi_csv.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            samples.append((float(fields[0]), float(fields[1])))
+        except (IndexError, ValueError):
+            continue  # a line cut by the terminate, or "[N/A]"
+    if not samples:
+        return None
+    return {"sm_clock_mhz": statistics.fmean(s[0] for s in samples), "power_w": statistics.fmean(s[1] for s in samples)}
 
 
 def kernel_us(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:

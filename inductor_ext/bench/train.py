@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from inductor_ext.bench.harness import (
+    ClockSampler,
     fresh_cache_env,
     kernel_class,
     kernel_us,
@@ -158,11 +159,12 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step_s = []
-    for ids in data[1 + args.warmup : 1 + args.warmup + args.steps]:
-        start = time.perf_counter()
-        losses.append(step(ids))
-        sync()
-        step_s.append(time.perf_counter() - start)
+    with ClockSampler() as clocks:
+        for ids in data[1 + args.warmup : 1 + args.warmup + args.steps]:
+            start = time.perf_counter()
+            losses.append(step(ids))
+            sync()
+            step_s.append(time.perf_counter() - start)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     kernels = _profile(step, data[1 + args.warmup + args.steps :], device) if args.profile_steps else {}
     median_s = statistics.median(step_s)
@@ -174,6 +176,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms": [1e3 * s for s in step_s],
         "peak_gib": peak_gib,
         "first_step_s": first_step_s,
+        "timed_steps_gpu": clocks.mean,  # mean SM clock and power: compute-bound kernels slow with the clock
         "losses": [float(loss) for loss in losses],
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
@@ -250,6 +253,7 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row.update({f"{c} ms": round(r["gpu_ms_by_category"][c], 1) for c in CATEGORIES})
         row["GPU ms"] = round(r["gpu_ms_total"], 1)
         row["wall ms"] = round(r["step_ms_median"], 1)
+        row["SM MHz"] = round(r["timed_steps_gpu"]["sm_clock_mhz"]) if r.get("timed_steps_gpu") else None
         rows.append(row)
     return rows
 
