@@ -10,9 +10,28 @@ calls). A multi-kernel then reads its sub-kernels' ``fn.cache_key`` to find its 
 ``with self._hash_lock:`` raises ``TypeError: 'NoneType' object does not support the context
 manager protocol``, and the second process that compiles the same graph under
 ``fastops_inductor`` (multi-kernel on by default) fails. The fix gives such kernels a fresh lock.
+
+**A lazily compiled backward loses the cpp_wrapper config** (torch 2.11 on the H200: an HF Llama
+training step under ``torch.compile(..., options={"cpp_wrapper": True})`` failed with
+``CudaKernelParamCache not populated for <the backward's first kernel>``, stock Inductor and
+``fastops_inductor`` alike; fixed upstream in ``compile_fx_inner`` by
+https://github.com/pytorch/pytorch/pull/178847, reported as pytorch/pytorch#178845; torch 2.13
+has the fix).
+``compile_fx`` applies ``get_cpp_wrapper_config()`` (``triton.store_cubin=True``, compile-time
+autotuning) only while it runs, but AOTAutograd compiles the backward at the first
+``.backward()``, after it returned. The backward's ``inner_compile`` still carries
+``cpp_wrapper=True`` and re-enters ``options``, and ``compile_fx_backward`` re-applies the
+cpp-wrapper config only when the *process-wide* ``config.cpp_wrapper`` is set, which it is not
+when cpp_wrapper came in through ``options``. So the backward is generated as C++ with
+``store_cubin=False``: its kernels run in the compile-time autotune block but never save their
+cubin and launch parameters to ``CudaKernelParamCache`` (``CachingAutotuner.run`` saves only
+when ``launcher.store_cubin``), and the C++ codegen of the first kernel asserts. Where torch's
+``compile_fx_inner`` does not re-apply the config itself, the fix re-applies it around
+``_compile_fx_inner`` for a ``cpp_wrapper`` graph compiled outside ``compile_fx``'s patch.
 """
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,5 +60,47 @@ def _with_hash_lock(result: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def reapply_cpp_wrapper_config_in_lazy_compiles() -> None:
+    """Wrap ``compile_fx._compile_fx_inner`` so that a ``cpp_wrapper`` graph compiled outside
+    ``compile_fx`` (the lazy backward) gets ``get_cpp_wrapper_config()``, where torch lacks the fix."""
+    from torch._inductor import compile_fx
+
+    compile_graph = getattr(compile_fx, "_compile_fx_inner", None)
+    if (
+        compile_graph is None
+        or getattr(compile_graph, "applies_cpp_wrapper_config", False)
+        or compile_fx_inner_applies_cpp_wrapper_config()
+    ):
+        return
+    compile_fx._compile_fx_inner = _with_cpp_wrapper_config(compile_graph)
+
+
+def compile_fx_inner_applies_cpp_wrapper_config() -> bool:
+    """Whether torch's ``compile_fx_inner`` applies ``get_cpp_wrapper_config()`` itself (the
+    upstream fix, in torch 2.13; not in 2.11)."""
+    from torch._inductor import compile_fx
+
+    try:
+        return "get_cpp_wrapper_config" in inspect.getsource(compile_fx.compile_fx_inner)
+    except (OSError, TypeError):  # no source: the wrapper is harmless where torch has the fix
+        return False
+
+
+def _with_cpp_wrapper_config(compile_graph: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(compile_graph)
+    def wrapped(*args: Any, **graph_kwargs: Any) -> Any:
+        from torch._inductor import compile_fx, config
+
+        # store_cubin is set inside compile_fx's own cpp-wrapper patch: the forward needs nothing
+        if not graph_kwargs.get("cpp_wrapper", False) or config.triton.store_cubin:
+            return compile_graph(*args, **graph_kwargs)
+        with config.patch(compile_fx.get_cpp_wrapper_config()):
+            return compile_graph(*args, **graph_kwargs)
+
+    wrapped.applies_cpp_wrapper_config = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 def apply() -> None:
     restore_hash_locks_of_cached_kernels()
+    reapply_cpp_wrapper_config_in_lazy_compiles()
