@@ -604,7 +604,8 @@ def _keep_mask(shape: Sequence[int], dropout_p: float, device: torch.device) -> 
 def _masks(
     fn: str, names: Sequence[str], given: Any, shapes: Sequence[Sequence[int]], dropout_p: float, device: torch.device
 ) -> list[Tensor | None]:
-    """Each projection's keep-mask: ``given`` (checked), else fresh ones when ``dropout_p > 0``, else None."""
+    """Each projection's keep-mask: ``given`` (``dropout_masks``, checked), else fresh ones when
+    ``dropout_p > 0``, else None. ``names`` are the projections' names."""
     if given is None:
         if dropout_p == 0.0:
             return [None] * len(shapes)
@@ -649,7 +650,11 @@ def lora_linear(
     _check_input(fn, x)
     _check_projection(fn, "proj", proj, x, x.shape[-1])
     _check_dropout_p(fn, dropout_p)
-    (mask,) = _masks(fn, ("x",), None if dropout_mask is None else (dropout_mask,), [x.shape], dropout_p, x.device)
+    if dropout_mask is not None:
+        _check_mask(fn, "dropout_mask", dropout_mask, x.shape, x.device)
+        mask: Tensor | None = dropout_mask
+    else:
+        (mask,) = _masks(fn, ("proj",), None, [x.shape], dropout_p, x.device)
     y, _xa = lora_linear_family(_rows(x), *_fwd_args(proj, x, mask), float(dropout_p))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
