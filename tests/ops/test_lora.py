@@ -299,6 +299,30 @@ def test_backward_skips_dx_when_the_input_needs_no_gradient():
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_mlp_keeps_gate_up_and_the_rank_r_products_only(dropout_p):
+    """Beside x, the weights and the adapters (kept as they are, never copied), the MLP keeps G and U,
+    the three (N, r) products and, with dropout, the three bool masks: no h, no weight copy."""
+    gate, up, down = (_random_projection(i, o) for i, o in ((HIDDEN, INTERMEDIATE),) * 2 + ((INTERMEDIATE, HIDDEN),))
+    x = _x(torch.float32).requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lora_mlp(x, gate, up, down, dropout_p=dropout_p)
+    given = {t.untyped_storage().data_ptr() for p in (gate, up, down) for t in (p.weight, p.lora_a, p.lora_b)}
+    given.add(x.untyped_storage().data_ptr())
+    kept = sorted((tuple(t.shape), str(t.dtype)) for t in saved if t.untyped_storage().data_ptr() not in given)
+    n, f32, bool_ = BATCH * SEQ, str(torch.float32), str(torch.bool)
+    expected = [((n, INTERMEDIATE), f32)] * 2 + [((n, RANK), f32)] * 3
+    if dropout_p > 0:
+        expected += [((n, HIDDEN), bool_)] * 2 + [((n, INTERMEDIATE), bool_)]
+    assert kept == sorted(expected)
+
+
 def test_eager_bypasses_the_dispatcher():
     gate, up, down = (_random_projection(i, o) for i, o in ((HIDDEN, INTERMEDIATE),) * 2 + ((INTERMEDIATE, HIDDEN),))
     x = _x(torch.float32).requires_grad_()
