@@ -537,3 +537,16 @@ def test_fullgraph_compile_draws_dropout_masks(fresh_dynamo):
     assert counters["stats"]["unique_graphs"] == 1
     assert not torch.equal(first[0], second[0])
     assert all(torch.isfinite(t).all() for t in first + second)
+
+
+def test_fastops_inductor_backend_matches_eager(fresh_dynamo):
+    """Under our backend (which on CPU compiles each op's aten math with Inductor): no graph break, eager's
+    loss and gradients."""
+    block = _Block(0.25)
+    x = _x(torch.float32)
+    masks = _masks(x, 0.25)
+    got = _loss_and_grads(block, x, masks, torch.compile(block, backend="fastops_inductor", fullgraph=True))
+    expected = _loss_and_grads(block, x, masks)
+    assert sum(counters["graph_break"].values()) == 0
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert rel_err(g, e) < OUTPUT[torch.float32], (i, rel_err(g, e))
