@@ -8,6 +8,7 @@ from inductor_ext import models, nn
 from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
+    LoraProjection,
     add_rms_norm,
     add_rms_norm_ref,
     apply_rotary_pos_emb,
@@ -22,6 +23,12 @@ from inductor_ext.ops import (
     geglu_ref,
     layer_norm,
     layer_norm_ref,
+    lora_linear,
+    lora_linear_ref,
+    lora_mlp,
+    lora_mlp_ref,
+    lora_qkv,
+    lora_qkv_ref,
     rms_norm,
     rms_norm_ref,
     swiglu,
@@ -32,6 +39,7 @@ from inductor_ext.version import __version__
 
 __all__ = [
     "ExportError",
+    "LoraProjection",
     "__version__",
     "add_rms_norm",
     "add_rms_norm_ref",
@@ -49,6 +57,12 @@ __all__ = [
     "layer_norm",
     "layer_norm_ref",
     "load",
+    "lora_linear",
+    "lora_linear_ref",
+    "lora_mlp",
+    "lora_mlp_ref",
+    "lora_qkv",
+    "lora_qkv_ref",
     "models",
     "nn",
     "rms_norm",

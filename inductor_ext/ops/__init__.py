@@ -14,6 +14,15 @@ from inductor_ext.ops.glu import (
     swiglu_ref,
 )
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_ref
+from inductor_ext.ops.lora import (
+    LoraProjection,
+    lora_linear,
+    lora_linear_ref,
+    lora_mlp,
+    lora_mlp_ref,
+    lora_qkv,
+    lora_qkv_ref,
+)
 from inductor_ext.ops.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
@@ -27,3 +36,4 @@ __all__ += ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["layer_norm", "layer_norm_ref"]
 __all__ += ["geglu", "geglu_packed", "geglu_ref", "swiglu", "swiglu_packed", "swiglu_ref"]
 __all__ += ["apply_rotary_pos_emb", "apply_rotary_pos_emb_", "apply_rotary_pos_emb_ref"]
+__all__ += ["LoraProjection", "lora_linear", "lora_linear_ref", "lora_mlp", "lora_mlp_ref", "lora_qkv", "lora_qkv_ref"]
