@@ -100,3 +100,19 @@ def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
         pass
     if not torch.cuda.is_available():
         assert clocks.mean is None
+
+
+def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_path):
+    """``--cpp-wrapper``'s C++-wrapper provider with a database the standalone tuner filled first (on
+    CPU the tuner records the calls untuned; on a GPU it times them)."""
+    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
+               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
+               "--providers", "hf_eager", "fastops_inductor_cpp_wrapper_warm_db", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+    eager, ours = results["hf_eager"], results["fastops_inductor_cpp_wrapper_warm_db"]
+    assert eager["tune_s"] is None and ours["tune_s"] > 0
+    for a, b in zip(eager["losses"], ours["losses"], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)

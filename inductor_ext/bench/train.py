@@ -11,6 +11,11 @@ to ``hf_eager``'s, and one profiled step's GPU time per kernel category (GEMMs, 
 optimizer, everything else) with the largest "everything else" kernels. Writes
 ``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
 
+``--cpp-wrapper`` runs the backend with Inductor's C++ wrapper (``options={"cpp_wrapper": True}``)
+beside the Python wrapper, each with an empty tuning database and with one the standalone tuner
+filled from the model's config first (``_warm_db``; the tuning's seconds are reported apart, as
+``tune_s``): the step's host time (wall minus GPU time) and the first step's compile time.
+
 ``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
 the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
 prove causal unless ``fastops.assume_no_padding`` is set (provider
@@ -67,13 +72,21 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
+    "fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
+    "fastops_inductor_warm_db": {"backend": "fastops_inductor"},
+    "fastops_inductor_cpp_wrapper_warm_db": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
 }
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
 patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss;
-``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode)."""
+``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode);
+``_cpp_wrapper``: Inductor's C++ wrapper; ``_warm_db``: the standalone tuner fills the tuning
+database from the model's config before the model is built."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
+CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
+                         "fastops_inductor_cpp_wrapper_warm_db")  # fmt: skip
+"""What ``--cpp-wrapper`` runs."""
 CATEGORIES = tuple(kernel_us_by_class({}))
 """The harness's kernel classes (:func:`inductor_ext.bench.harness.kernel_class`)."""
 LEARNING_RATE = 1e-4
@@ -121,6 +134,27 @@ def make_step(model: torch.nn.Module, provider: str, attention_mask: str) -> Cal
     return step
 
 
+def tune_from_config(args: argparse.Namespace) -> float:
+    """Fill the tuning database with the standalone tuner from the model's config and the batch
+    shape (no model is built or run, as ``python -m inductor_ext.autotune tune --hf-config``); its seconds."""
+    from inductor_ext.autotune.trace import calls_from_hf_config
+    from inductor_ext.autotune.tune import record_untuned, tune_calls
+    from inductor_ext.inductor.options import parse_options
+    from inductor_ext.tuning.database import TuningDatabase
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.json"
+        config_for(args.model).to_json_file(path)
+        calls = calls_from_hf_config(path, args.batch, args.seq, torch.bfloat16, grad=True)
+    database = TuningDatabase()
+    if args.device == "cuda":
+        tune_calls(calls, database, torch.device("cuda"), parse_options(None)[0])
+    else:
+        record_untuned(calls, database)
+    return time.perf_counter() - start
+
+
 def apply_liger(model_name: str) -> None:
     """Liger-Kernel's class-level patch for the model family (before the model is built)."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -131,6 +165,7 @@ def apply_liger(model_name: str) -> None:
 def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.worker`` for warm-up + timed + profiled steps in this process; its measurements."""
     device, provider = args.device, args.worker
+    tune_s = tune_from_config(args) if provider.endswith("_warm_db") else None
     if provider == "liger_eager":
         apply_liger(args.model)
     model = build_model(args.model, device, torch.bfloat16)
@@ -176,6 +211,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms": [1e3 * s for s in step_s],
         "peak_gib": peak_gib,
         "first_step_s": first_step_s,
+        "tune_s": tune_s,
         "timed_steps_gpu": clocks.mean,  # mean SM clock and power: compute-bound kernels slow with the clock
         "losses": [float(loss) for loss in losses],
         "gpu_ms_by_category": categories,
@@ -202,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, not timed")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps for the GPU-time table (0: none)")
     p.add_argument("--providers", nargs="+", choices=sorted(PROVIDERS), default=list(DEFAULT_PROVIDERS))
+    p.add_argument(
+        "--cpp-wrapper", action="store_true", help=f"run {' '.join(CPP_WRAPPER_PROVIDERS)} (instead of --providers)"
+    )
     p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
                    help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -253,6 +292,8 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row.update({f"{c} ms": round(r["gpu_ms_by_category"][c], 1) for c in CATEGORIES})
         row["GPU ms"] = round(r["gpu_ms_total"], 1)
         row["wall ms"] = round(r["step_ms_median"], 1)
+        row["wall - GPU ms"] = round(r["step_ms_median"] - r["gpu_ms_total"], 1) if r["gpu_ms_total"] else None
+        row["tune s"] = round(r["tune_s"], 1) if r.get("tune_s") is not None else None
         row["SM MHz"] = round(r["timed_steps_gpu"]["sm_clock_mhz"]) if r.get("timed_steps_gpu") else None
         rows.append(row)
     return rows
@@ -288,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (error := _check(args)) is not None:
         p.error(error)
+    if args.cpp_wrapper:
+        args.providers = list(CPP_WRAPPER_PROVIDERS)
     if args.worker:
         print_child_result(run_provider(args))
         return 0
@@ -302,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
             results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
+    stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),
