@@ -24,3 +24,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def _fresh_seed() -> None:
     # fresh but reproducible inputs per test
     torch.manual_seed(zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode()))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters (graph breaks, ...) empty for the test, and reset after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

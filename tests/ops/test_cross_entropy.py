@@ -358,14 +358,6 @@ def test_nn_module():
 # --- torch.compile / cpp_wrapper / AOTInductor on CPU (the ops' CPU branch) ----------------------
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 

@@ -337,14 +337,6 @@ def test_nn_module():
 # --- torch.compile / cpp_wrapper / AOTInductor on CPU (the ops' CPU branch) ----------------------
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def test_ignore_index_under_compile_matches_float64(fresh_dynamo):
     """Regression test for a peer's bug (a silently wrong loss under torch.compile when labels hold
     ignore_index): fullgraph compile, several chunks, a third of the labels ignored (the first row too),

@@ -351,12 +351,6 @@ def test_nn_module_normalizes_several_trailing_dims():
 FP32_TOL = OUTPUT[torch.float32]
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 

@@ -504,14 +504,6 @@ def _loss_and_grads(block: _Block, x: torch.Tensor, masks: tuple | None, f=None)
     return [loss.detach(), *torch.autograd.grad(loss, [x, *block.parameters()])]
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_fullgraph_compile_matches_eager(dropout_p, fresh_dynamo):
     """Given masks (the same on both sides) or none; loss and every gradient as in eager."""
