@@ -29,6 +29,9 @@ from inductor_ext.ops.rope import (
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
 )
+from inductor_ext.ops.sharding import register as _register_sharding
+
+_register_sharding()
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref"]

@@ -1,0 +1,60 @@
+"""Run a function on 2 processes over gloo, for the CPU tests of DTensor and FSDP2.
+
+Each rank runs ``fn(rank, world_size, *args)`` in a spawned process with a gloo process group
+(a file store in a temporary directory: no port to race for). A child's exception fails the
+caller with the child's traceback; a child that has not finished after ``timeout_s`` is killed
+and fails the caller, and the process group's own timeout bounds any collective, so a hang
+cannot block CI. The children run the ops' CPU branch (``TRITON_INTERPRET`` off): the aten math
+the registered ops trace on CPU.
+"""
+
+import datetime
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _entry(rank: int, fn: Callable[..., Any], store_path: str, args: tuple[Any, ...]) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        fn(rank, WORLD_SIZE, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 180) -> None:
+    """``fn(rank, 2, *args)`` on ranks 0 and 1; raises the first child's exception (with its traceback)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # read by the children when they import the package
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            context = mp.start_processes(
+                _entry, args=(fn, os.path.join(tmp, "store"), args), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+            )
+            deadline = time.monotonic() + timeout_s
+            while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on 2 ranks in {timeout_s} s")
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
