@@ -26,6 +26,7 @@ Everything replicated is always allowed. The in-place ops (``rope_inplace``,
 ``cross_entropy_bwd_inplace``, ``accumulate_matmul_``) and the LoRA ops have no rules.
 """
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -275,4 +276,7 @@ def register() -> None:
         ops.fused_linear_cross_entropy_bwd.default: _flce_bwd,
     }
     for op, rule in rules.items():
-        register_sharding(op)(rule)
+        try:
+            register_sharding(op)(rule)
+        except (TypeError, AttributeError, RuntimeError, ValueError) as error:  # a torch whose DTensor API differs
+            warnings.warn(f"inductor_ext: no DTensor sharding rule for {op} ({error!r})", stacklevel=2)
