@@ -116,3 +116,21 @@ def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_pat
     assert eager["tune_s"] is None and ours["tune_s"] > 0
     for a, b in zip(eager["losses"], ours["losses"], strict=True):
         assert abs(a - b) <= 2e-2 * abs(a)
+
+
+def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
+    """``--lora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same weights,
+    adapters and batches: dropout draws different masks, which moves the loss by far less than bf16's
+    rounding at this size, so the losses agree to bf16 tolerance, step after step."""
+    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
+               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
+               "--providers", "peft_eager", "lora_fused_eager", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+    peft_losses, ours = results["peft_eager"]["losses"], results["lora_fused_eager"]["losses"]
+    assert len(peft_losses) == len(ours) == 3
+    for a, b in zip(peft_losses, ours, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)
+    assert "lora_fused_eager" in proc.stdout

@@ -16,6 +16,14 @@ beside the Python wrapper, each with an empty tuning database and with one the s
 filled from the model's config first (``_warm_db``; the tuning's seconds are reported apart, as
 ``tune_s``): the step's host time (wall minus GPU time) and the first step's compile time.
 
+``--lora`` fine-tunes PEFT LoRA adapters instead of the whole model (:data:`LORA_PROVIDERS`):
+rank 16 on every linear layer of the decoder (q, k, v, o, gate, up, down), alpha 32 (scaling 2),
+dropout 0.05, base weights frozen in bf16; ``get_peft_model``'s default
+``autocast_adapter_dtype=True`` keeps the adapters in float32 over the bf16 base, and only the
+adapters go to the optimizer. PEFT's unfused layers eager, under ``torch.compile`` and under
+``fastops_inductor``, against the same model with :func:`inductor_ext.models.apply` (the fused LoRA
+ops, and our norms, RoPE and loss) eager and under ``fastops_inductor``.
+
 ``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
 the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
 prove causal unless ``fastops.assume_no_padding`` is set (provider
@@ -75,18 +83,29 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
     "fastops_inductor_warm_db": {"backend": "fastops_inductor"},
     "fastops_inductor_cpp_wrapper_warm_db": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
+    "peft_eager": None,
+    "peft_torch_compile": {},
+    "peft_fastops_inductor": {"backend": "fastops_inductor"},
+    "lora_fused_eager": None,
+    "lora_fused_fastops_inductor": {"backend": "fastops_inductor"},
 }
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
 patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss;
 ``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode);
 ``_cpp_wrapper``: Inductor's C++ wrapper; ``_warm_db``: the standalone tuner fills the tuning
-database from the model's config before the model is built."""
+database from the model's config before the model is built; ``peft_*`` and ``lora_fused_*`` train
+LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by :func:`inductor_ext.models.apply`."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
                          "fastops_inductor_cpp_wrapper_warm_db")  # fmt: skip
 """What ``--cpp-wrapper`` runs."""
+LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "lora_fused_eager",
+                  "lora_fused_fastops_inductor")  # fmt: skip
+"""What ``--lora`` runs."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.05
 CATEGORIES = tuple(kernel_us_by_class({}))
 """The harness's kernel classes (:func:`inductor_ext.bench.harness.kernel_class`)."""
 LEARNING_RATE = 1e-4
@@ -117,11 +136,22 @@ def batches(count: int, batch: int, seq: int, vocab: int, device: str, *, seed: 
     return [torch.randint(0, vocab, (batch, seq), generator=generator).to(device) for _ in range(count)]
 
 
+def add_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` wrapped by PEFT with the ``--lora`` adapters (the base frozen, the adapters float32)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=list(LORA_TARGETS)
+    )
+    return peft.get_peft_model(model, config)  # type: ignore[arg-type]
+
+
 def make_step(model: torch.nn.Module, provider: str, attention_mask: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them); returns the loss."""
     compile_args = PROVIDERS[provider]
     forward: Any = model if compile_args is None else torch.compile(model, **compile_args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=next(model.parameters()).is_cuda)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         kwargs = {"attention_mask": torch.ones_like(ids)} if attention_mask == "ones" else {}
@@ -174,6 +204,12 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
 
         weight_dtype = provider.endswith("_weight_dtype")
         models.apply(model, weight_grad_accumulation="weight_dtype" if weight_dtype else "fp32")
+    if provider in LORA_PROVIDERS:
+        model = add_lora(model)
+    if provider.startswith("lora_fused_"):
+        from inductor_ext import models
+
+        models.apply(model)
     step = make_step(model, provider, args.attention_mask)
     data = batches(
         args.warmup + args.steps + 1 + args.profile_steps,
@@ -241,6 +277,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cpp-wrapper", action="store_true", help=f"run {' '.join(CPP_WRAPPER_PROVIDERS)} (instead of --providers)"
     )
+    p.add_argument("--lora", action="store_true", help=f"run {' '.join(LORA_PROVIDERS)} (instead of --providers)")
     p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
                    help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -275,9 +312,12 @@ def available(provider: str) -> bool:
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per provider: the ratios to ``torch_compile`` and the final loss's difference from ``hf_eager``'s."""
-    base = results.get("torch_compile", {}).get("tokens_per_s")
-    reference_loss = results.get("hf_eager", {}).get("losses", [None])[-1]
+    """One row per provider: the ratios to ``torch_compile`` and the final loss's difference from ``hf_eager``'s
+    (with LoRA, when those did not run: to ``peft_torch_compile`` and ``peft_eager``)."""
+    compiled = "torch_compile" if "torch_compile" in results else "peft_torch_compile"
+    eager = "hf_eager" if "hf_eager" in results else "peft_eager"
+    base = results.get(compiled, {}).get("tokens_per_s")
+    reference_loss = results.get(eager, {}).get("losses", [None])[-1]
     rows = []
     for name, r in results.items():
         row = {
@@ -331,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(error)
     if args.cpp_wrapper:
         args.providers = list(CPP_WRAPPER_PROVIDERS)
+    if args.lora:
+        args.providers = list(LORA_PROVIDERS)
     if args.worker:
         print_child_result(run_provider(args))
         return 0
@@ -346,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
+    stem += "_lora" if args.lora else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),

@@ -9,6 +9,10 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
 - RoPE: the family's module-level ``apply_rotary_pos_emb`` (which the attention modules look up
   there) becomes our kernel's. This one is process-wide for that family, as it is transformers'
   own function; it is restored when the last patched model of the family is unapplied;
+- PEFT LoRA layers (``lora=True``, :mod:`inductor_ext.models.peft_lora`): each fusable
+  ``lora.Linear``'s forward becomes one fused ``lora_linear``, and a gated MLP whose three
+  projections are all fusable becomes one ``lora_mlp``; LoRA layers it cannot fuse stay PEFT's,
+  with a warning naming them and the reason;
 - the ``ForCausalLM`` instance: in training with labels, the LM head and the loss become one
   ``fused_linear_cross_entropy`` (``outputs.logits`` is then None: the ``(tokens, vocab)``
   logits are never built); otherwise transformers' own forward runs.
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.models import forwards
+from inductor_ext.models import forwards, peft_lora
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
 from inductor_ext.ops.fused_linear_cross_entropy import WEIGHT_GRAD_ACCUMULATIONS, WeightGradAccumulation
 
@@ -49,11 +53,15 @@ class PatchReport:
     mlps: list[str] = dataclasses.field(default_factory=list)
     rope: bool = False
     loss: bool = False
+    lora: list[str] = dataclasses.field(default_factory=list)
+    """PEFT ``lora.Linear`` layers running the fused ``lora_linear``."""
+    lora_mlps: list[str] = dataclasses.field(default_factory=list)
+    """MLPs (also in ``mlps``) running as one fused ``lora_mlp``."""
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     """Module name (or what) -> why it was left as it is."""
 
     def __bool__(self) -> bool:
-        return bool(self.norms or self.mlps or self.rope or self.loss)
+        return bool(self.norms or self.mlps or self.rope or self.loss or self.lora)
 
 
 @dataclasses.dataclass
@@ -76,6 +84,7 @@ def apply(
     mlps: bool = True,
     rope: bool = True,
     loss: bool = True,
+    lora: bool = True,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
@@ -84,6 +93,9 @@ def apply(
     (:func:`inductor_ext.fused_linear_cross_entropy`): ``"fp32"`` (exact, an fp32 ``(V, H)``
     accumulator) or ``"weight_dtype"`` (accumulated in the weight's dtype, as Liger-Kernel does:
     no accumulator, one rounding per chunk).
+
+    ``lora=False`` leaves PEFT's LoRA layers as they are (the MLPs around them still get the fused
+    activation).
 
     Returns a :class:`PatchReport`; what was left alone is also reported by :class:`PatchWarning`s.
     Raises ``ValueError`` if the model is already patched, ``TypeError`` if it is not a module.
@@ -123,7 +135,9 @@ def apply(
         if norms and cls is classes[family.norm]:
             _patch_norm(patched, name, module, family)
         elif mlps and cls is classes[family.mlp]:
-            _patch_mlp(patched, name, module, family, hf_model.config)
+            _patch_mlp(patched, name, module, family, hf_model.config, lora)
+        elif lora and peft_lora.is_lora_layer(module):
+            _patch_lora_layer(patched, name, module)
         elif cls.__name__.endswith(("RMSNorm", "LayerNorm", "MLP")) and cls not in classes.values():
             _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
     if loss:
@@ -213,7 +227,7 @@ def _patch_norm(patched: _Patched, name: str, module: torch.nn.Module, family: F
         patched.report.norms.append(name)
 
 
-def _patch_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Family, config: Any) -> None:
+def _patch_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Family, config: Any, lora: bool) -> None:
     activation = ACTIVATIONS.get(getattr(config, family.activation_attribute, None))  # type: ignore[arg-type]
     projections = (
         ("gate_up_proj", "down_proj") if family.mlp_kind == "packed" else ("gate_proj", "up_proj", "down_proj")
@@ -225,5 +239,51 @@ def _patch_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Fa
     if not all(isinstance(getattr(module, p, None), torch.nn.Module) for p in projections):
         _warn(patched.report, name, f"{type(module).__name__} without {', '.join(projections)}: left as it is")
         return
+    if lora and _lora_mlp_fusable(patched, name, module, projections):
+        attributes = {
+            "_fastops_activation": activation,
+            "_fastops_lora_activation": peft_lora.MLP_ACTIVATIONS[activation],
+            "_fastops_mlp_fallback": forwards.gated_mlp_forward,
+        }
+        if _set_forward(patched, name, module, peft_lora.lora_mlp_forward, **attributes):
+            patched.report.mlps.append(name)
+            patched.report.lora_mlps.append(name)
+        return
     if _set_forward(patched, name, module, forwards.MLP_FORWARDS[family.mlp_kind], _fastops_activation=activation):
         patched.report.mlps.append(name)
+
+
+def _lora_mlp_fusable(patched: _Patched, name: str, module: torch.nn.Module, projections: tuple[str, ...]) -> bool:
+    """Whether the MLP can run as one ``lora_mlp``: all of gate, up and down fusable PEFT LoRA layers.
+    When some are LoRA layers but not all fit, warns: the MLP then gets the plain fused activation and
+    each fusable LoRA layer its own ``lora_linear``."""
+    layers = {p: getattr(module, p) for p in projections}
+    wrapped = [p for p, layer in layers.items() if peft_lora.is_lora_layer(layer)]
+    if not wrapped:
+        return False
+    where = "its projections run one by one (fused activation, each fusable LoRA layer one lora_linear)"
+    if projections != ("gate_proj", "up_proj", "down_proj"):
+        _warn(patched.report, name, f"not one lora_mlp: the packed gate_up_proj is not a lora_mlp input; {where}")
+        return False
+    reasons = {p: peft_lora.unfusable_reason(layer) for p, layer in layers.items() if p in wrapped}
+    plain = [p for p in projections if p not in wrapped]
+    why = "; ".join(f"{p}: {reason}" for p, reason in reasons.items() if reason is not None)
+    if plain:
+        why = "; ".join(filter(None, [f"{', '.join(plain)} without LoRA", why]))
+    if why:
+        _warn(patched.report, name, f"not one lora_mlp ({why}); {where}")
+        return False
+    probabilities = {getattr(layers[p].lora_dropout[layers[p].active_adapters[0]], "p", 0.0) for p in projections}
+    if len(probabilities) != 1:  # nn.Identity (PEFT's p = 0) has no p
+        _warn(patched.report, name, f"not one lora_mlp (dropout probabilities {sorted(probabilities)} differ); {where}")
+        return False
+    return True
+
+
+def _patch_lora_layer(patched: _Patched, name: str, layer: Any) -> None:
+    reason = peft_lora.unfusable_reason(layer)
+    if reason is not None:
+        _warn(patched.report, name, f"{reason}: left as PEFT's")
+        return
+    if _set_forward(patched, name, layer, peft_lora.lora_linear_forward, _fastops_adapter=layer.active_adapters[0]):
+        patched.report.lora.append(name)
