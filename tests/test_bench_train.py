@@ -11,14 +11,18 @@ import torch
 from inductor_ext.bench import train
 
 
-def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
+def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900) -> tuple[dict, str]:
+    """``bench train`` on the tiny Llama on CPU (2 x 16 tokens, 2 timed steps); its results and stdout."""
     command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
                "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
-               "--providers", "hf_eager", "fastops_inductor", "patched_eager", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+               "--providers", *providers, "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"], proc.stdout
 
-    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+
+def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "patched_eager")
     assert list(results) == ["hf_eager", "fastops_inductor", "patched_eager"]
     eager = results["hf_eager"]
     for ours in (results["fastops_inductor"], results["patched_eager"]):
@@ -27,7 +31,7 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
         for a, b in zip(eager["losses"], ours["losses"]):
             assert abs(a - b) <= 2e-2 * abs(a)
     assert all(r["tokens_per_s"] > 0 and r["first_step_s"] > 0 for r in results.values())
-    assert "fastops_inductor" in proc.stdout and "x torch.compile" in proc.stdout
+    assert "fastops_inductor" in stdout and "x torch.compile" in stdout
 
 
 def test_built_models_match_the_registry_and_are_reproducible():
@@ -105,13 +109,7 @@ def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
 def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_path):
     """``--cpp-wrapper``'s C++-wrapper provider with a database the standalone tuner filled first (on
     CPU the tuner records the calls untuned; on a GPU it times them)."""
-    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
-               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
-               "--providers", "hf_eager", "fastops_inductor_cpp_wrapper_warm_db", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+    results, _ = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor_cpp_wrapper_warm_db")
     eager, ours = results["hf_eager"], results["fastops_inductor_cpp_wrapper_warm_db"]
     assert eager["tune_s"] is None and ours["tune_s"] > 0
     for a, b in zip(eager["losses"], ours["losses"], strict=True):
@@ -122,15 +120,9 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     """``--lora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same weights,
     adapters and batches: dropout draws different masks, which moves the loss by far less than bf16's
     rounding at this size, so the losses agree to bf16 tolerance, step after step."""
-    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
-               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
-               "--providers", "peft_eager", "lora_fused_eager", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    results = json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"]
+    results, stdout = run_tiny_bench(tmp_path, "peft_eager", "lora_fused_eager")
     peft_losses, ours = results["peft_eager"]["losses"], results["lora_fused_eager"]["losses"]
     assert len(peft_losses) == len(ours) == 3
     for a, b in zip(peft_losses, ours, strict=True):
         assert abs(a - b) <= 2e-2 * abs(a)
-    assert "lora_fused_eager" in proc.stdout
+    assert "lora_fused_eager" in stdout

@@ -38,8 +38,9 @@ def _batches(count: int, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (batch, seq), generator=generator) for _ in range(count)]
 
 
-def _train(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def train_losses(model: torch.nn.Module, batches: list[torch.Tensor], lr: float = 1e-3) -> list[float]:
+    """One AdamW step per batch on the trainable parameters; the loss of each step."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for ids in batches:
         loss = model(input_ids=ids, labels=ids).loss
@@ -71,8 +72,8 @@ def test_patched_training_converges_with_the_unpatched_model(model_type, batches
             layers = COMMON["num_hidden_layers"]
             assert report.loss and report.rope and len(report.mlps) == layers
             assert len(report.norms) >= 2 * layers + 1
-            actual = _train(model, batches)
-    expected = _train(reference, batches)
+            actual = train_losses(model, batches)
+    expected = train_losses(reference, batches)
 
     for step, (a, b) in enumerate(zip(actual, expected)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from inductor_ext import models
 from inductor_ext.models import PatchWarning
-from tests.models.test_patch import COMMON, _batches, tiny_model
+from tests.models.test_patch import COMMON, _batches, tiny_model, train_losses
 
 peft = pytest.importorskip("peft")
 
@@ -101,21 +101,10 @@ def test_lora_training_converges_with_the_unpatched_peft_model():
     initial = {name: p.detach().clone() for name, p in reference.named_parameters() if p.requires_grad}
     data = _batches(2, seq=8) * 10
 
-    def train(m: torch.nn.Module) -> list[float]:
-        optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=5e-3)
-        losses = []
-        for ids in data:
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
     with models.patched(model) as report:
         assert len(report.lora_mlps) == LAYERS
-        actual = train(model)
-    expected = train(reference)
+        actual = train_losses(model, data, lr=5e-3)
+    expected = train_losses(reference, data, lr=5e-3)
     assert expected[-1] < 0.95 * expected[0]  # the adapters fit the batches
     for step, (a, b) in enumerate(zip(actual, expected)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
