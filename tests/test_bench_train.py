@@ -126,3 +126,23 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     for a, b in zip(peft_losses, ours, strict=True):
         assert abs(a - b) <= 2e-2 * abs(a)
     assert "lora_fused_eager" in stdout
+
+
+def test_nproc_shards_each_provider_with_fsdp2_over_gloo_ranks(tmp_path):
+    """``--nproc 2`` on CPU: each provider as 2 gloo ranks under torch.distributed.run, FSDP2 per
+    decoder layer, each rank on its own batches; rank 0 reports the ranks' mean loss."""
+    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
+               "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0", "--nproc", "2",
+               "--providers", "hf_eager", "patched_eager", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "train_tiny-llama_2x16_2gpu.json").read_text())["results"]
+    for r in results.values():
+        assert r["ranks"] == 2 and r["tokens_per_s"] == pytest.approx(2 * r["tokens_per_s_per_gpu"])
+    single, _ = run_tiny_bench(tmp_path / "one", "hf_eager")
+    eager, ours = results["hf_eager"]["losses"], results["patched_eager"]["losses"]
+    # rank 0 sees the single-process batches, rank 1 others: the mean differs from one rank's loss
+    assert eager != single["hf_eager"]["losses"]
+    for a, b in zip(eager, ours, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)
+    assert "tokens/s per GPU" in proc.stdout

@@ -24,6 +24,10 @@ adapters go to the optimizer. PEFT's unfused layers eager, under ``torch.compile
 ``fastops_inductor``, against the same model with :func:`inductor_ext.models.apply` (the fused LoRA
 ops, and our norms, RoPE and loss) eager and under ``fastops_inductor``.
 
+``--nproc N`` runs each provider on N GPUs of this host (:mod:`inductor_ext.bench.fsdp`): FSDP2
+per decoder layer, ``--batch`` sequences per rank, tokens/s summed over the ranks and reported per
+GPU too; the loss is the ranks' mean.
+
 ``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
 the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
 prove causal unless ``fastops.assume_no_padding`` is set (provider
@@ -42,6 +46,7 @@ from typing import Any
 
 import torch
 
+from inductor_ext.bench import fsdp
 from inductor_ext.bench.harness import (
     ClockSampler,
     fresh_cache_env,
@@ -192,9 +197,12 @@ def apply_liger(model_name: str) -> None:
     MODEL_TYPE_TO_APPLY_LIGER_FN[MODELS[model_name]["model_type"]]()
 
 
-def run_provider(args: argparse.Namespace) -> dict[str, Any]:
-    """Train ``args.worker`` for warm-up + timed + profiled steps in this process; its measurements."""
+def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Train ``args.worker`` for warm-up + timed + profiled steps in this process; its measurements
+    (None on the ranks other than 0 of a ``--nproc`` run)."""
     device, provider = args.device, args.worker
+    ranks = fsdp.world_size()
+    rank, device = fsdp.init(device) if ranks > 1 else (0, device)
     tune_s = tune_from_config(args) if provider.endswith("_warm_db") else None
     if provider == "liger_eager":
         apply_liger(args.model)
@@ -210,6 +218,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         from inductor_ext import models
 
         models.apply(model)
+    if ranks > 1:
+        fsdp.shard(model)
     step = make_step(model, provider, args.attention_mask)
     data = batches(
         args.warmup + args.steps + 1 + args.profile_steps,
@@ -217,8 +227,10 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         args.seq,
         MODELS[args.model]["vocab_size"],
         device,
+        seed=1 + rank,
     )
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    on_gpu = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
     start = time.perf_counter()
     losses = [step(data[0])]
@@ -227,7 +239,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     for ids in data[1 : 1 + args.warmup]:
         losses.append(step(ids))
     sync()
-    if device == "cuda":
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     step_s = []
     with ClockSampler() as clocks:
@@ -236,29 +248,45 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             losses.append(step(ids))
             sync()
             step_s.append(time.perf_counter() - start)
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    kernels = _profile(step, data[1 + args.warmup + args.steps :], device) if args.profile_steps else {}
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
+    profiled = data[1 + args.warmup + args.steps :]
+    if rank == 0:
+        kernels = _profile(step, profiled, on_gpu) if args.profile_steps else {}
+    else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled
+        kernels = {}
+        for ids in profiled:
+            step(ids)
     median_s = statistics.median(step_s)
     categories = kernel_us_by_class(kernels)  # the per-class sum; here in ms
+    loss_values = [float(loss) for loss in losses]
+    if ranks > 1:
+        loss_values = fsdp.mean_over_ranks(loss_values, device)
+        peak_gib = fsdp.max_over_ranks(peak_gib, device) if peak_gib is not None else None
+        median_s = fsdp.max_over_ranks(median_s, device)
+        fsdp.finish()
+    if rank != 0:
+        return None
     return {
         "provider": provider,
-        "tokens_per_s": args.batch * args.seq / median_s,
+        "ranks": ranks,
+        "tokens_per_s": ranks * args.batch * args.seq / median_s,
+        "tokens_per_s_per_gpu": args.batch * args.seq / median_s,
         "step_ms_median": 1e3 * median_s,
         "step_ms": [1e3 * s for s in step_s],
         "peak_gib": peak_gib,
         "first_step_s": first_step_s,
         "tune_s": tune_s,
         "timed_steps_gpu": clocks.mean,  # mean SM clock and power: compute-bound kernels slow with the clock
-        "losses": [float(loss) for loss in losses],
+        "losses": loss_values,
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
     }
 
 
-def _profile(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor], device: str) -> dict[str, float]:
+def _profile(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor], on_gpu: bool) -> dict[str, float]:
     """GPU ms per step in each kernel (by name), from the profiler over the given batches."""
-    if device != "cuda":
+    if not on_gpu:
         return {}
     remaining = iter(data)
     return {name: us / 1e3 for name, us in kernel_us(lambda: step(next(remaining)), steps=len(data)).items()}
@@ -278,6 +306,7 @@ def parser() -> argparse.ArgumentParser:
         "--cpp-wrapper", action="store_true", help=f"run {' '.join(CPP_WRAPPER_PROVIDERS)} (instead of --providers)"
     )
     p.add_argument("--lora", action="store_true", help=f"run {' '.join(LORA_PROVIDERS)} (instead of --providers)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs of this host per provider (FSDP2; gloo ranks on CPU)")
     p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
                    help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -287,8 +316,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if min(args.batch, args.seq, args.steps) < 1 or min(args.warmup, args.profile_steps) < 0:
-        return "--batch, --seq and --steps must be >= 1; --warmup and --profile-steps >= 0"
+    if min(args.batch, args.seq, args.steps, args.nproc) < 1 or min(args.warmup, args.profile_steps) < 0:
+        return "--batch, --seq, --steps and --nproc must be >= 1; --warmup and --profile-steps >= 0"
+    if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "this benchmark needs a CUDA GPU"
     return None
@@ -298,7 +329,10 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
     flags = ["--model", args.model, "--batch", args.batch, "--seq", args.seq, "--steps", args.steps,
              "--warmup", args.warmup, "--profile-steps", args.profile_steps, "--attention-mask",
              args.attention_mask, "--device", args.device, "--worker", provider]  # fmt: skip
-    return [sys.executable, "-m", "inductor_ext.bench", "train", *map(str, flags)]
+    module_args = ["inductor_ext.bench", "train", *map(str, flags)]
+    if args.nproc > 1:
+        return fsdp.launch_command(args.nproc, module_args)
+    return [sys.executable, "-m", *module_args]
 
 
 def available(provider: str) -> bool:
@@ -323,6 +357,7 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row = {
             "provider": name,
             "tokens/s": round(r["tokens_per_s"]),
+            **({"tokens/s per GPU": round(r["tokens_per_s_per_gpu"])} if r.get("ranks", 1) > 1 else {}),
             "x torch.compile": round(r["tokens_per_s"] / base, 3) if base else None,
             "peak GiB": round(r["peak_gib"], 2) if r["peak_gib"] is not None else None,
             "first step s": round(r["first_step_s"], 1),
@@ -374,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora:
         args.providers = list(LORA_PROVIDERS)
     if args.worker:
-        print_child_result(run_provider(args))
+        if (result := run_provider(args)) is not None:
+            print_child_result(result)
         return 0
     from tabulate import tabulate
 
@@ -389,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     stem += "_lora" if args.lora else ""
+    stem += f"_{args.nproc}gpu" if args.nproc > 1 else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),
