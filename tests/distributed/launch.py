@@ -9,6 +9,7 @@ the registered ops trace on CPU.
 """
 
 import datetime
+import json
 import os
 import tempfile
 import time
@@ -58,3 +59,10 @@ def run_on_two_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 180)
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def results_of_two_ranks(tmp_path_factory: Any, fn: Callable[..., Any], name: str, timeout_s: float) -> Any:
+    """Run ``fn(rank, world_size, results_path)`` on two ranks; the JSON rank 0 wrote to ``results_path``."""
+    path = tmp_path_factory.mktemp(name) / "results.json"
+    run_on_two_ranks(fn, str(path), timeout_s=timeout_s)
+    return json.loads(path.read_text())

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import run_on_two_ranks
+from tests.distributed.launch import results_of_two_ranks
 
 STEPS = 3
 BATCH, SEQ = 4, 16
@@ -99,9 +99,7 @@ def _fsdp_worker(rank: int, world_size: int, results_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    path = tmp_path_factory.mktemp("fsdp") / "results.json"
-    run_on_two_ranks(_fsdp_worker, str(path), timeout_s=300)
-    return json.loads(path.read_text())
+    return results_of_two_ranks(tmp_path_factory, _fsdp_worker, "fsdp", timeout_s=300)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import run_on_two_ranks
+from tests.distributed.launch import results_of_two_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +188,7 @@ def _run_cases(rank: int, world_size: int, results_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    path = tmp_path_factory.mktemp("sharding") / "results.json"
-    run_on_two_ranks(_run_cases, str(path), timeout_s=150)
-    return json.loads(path.read_text())
+    return results_of_two_ranks(tmp_path_factory, _run_cases, "sharding", timeout_s=150)
 
 
 def test_every_case_ran(results: dict[str, str]) -> None:
