@@ -140,8 +140,11 @@ def decide_routes(
     timed), else measured and stored there, with the launch config the timing picked for each
     of our kernels (:mod:`inductor_ext.tuning.kernel_configs`: traced launches then offer
     Inductor that config alone). The backend and the standalone autotuner
-    (``python -m inductor_ext.autotune``) both decide through here.
+    (``python -m inductor_ext.autotune``) both decide through here. A family without kernels of
+    its own has no decisions (its ops always trace their math).
     """
+    if not family.has_kernels:
+        return []  # its math is its only implementation: nothing to time or store
     key = route_key(family.fwd._name, signature(args), device_name(device))
     stored = database.get(key) if database is not None else None
     if stored is not None:

@@ -368,6 +368,8 @@ class OpFamily:
     run_bwd_direct: Callable[..., Any]
     setup_context: Callable[[Any, tuple[Any, ...], Any], None]
     backward: Callable[..., tuple[Any, ...]]
+    has_kernels: bool = True
+    """False when the math is the only implementation (no route to choose between)."""
 
     def __call__(self, *args: Any) -> Any:
         """Run the forward with autograd, bypassing the dispatcher in plain eager.
@@ -388,9 +390,9 @@ def define_op_family(
     name: str,
     *,
     fwd_math: Callable[..., Any],
-    fwd_kernels: Callable[..., Any],
+    fwd_kernels: Callable[..., Any] | None,
     bwd_math: Callable[..., Any],
-    bwd_kernels: Callable[..., Any],
+    bwd_kernels: Callable[..., Any] | None,
     setup_context: Callable[[Any, tuple[Any, ...], Any], None],
     backward: Callable[..., tuple[Any, ...]],
 ) -> OpFamily:
@@ -403,6 +405,8 @@ def define_op_family(
       annotated signature is the op's schema.
     * ``*_kernels(launch, *args)``: same signature after ``launch``; allocates outputs and
       launches Triton kernels through ``launch`` (traceable inside ops, direct in eager).
+      None for both: the op has no kernels of its own (e.g. only cuBLAS GEMMs through aten), so
+      the math runs on every path and the backend has no route to time.
     * ``setup_context(ctx, inputs, output)``: saves what the backward needs.
     * ``backward(ctx, bwd, *grads)``: returns input grads, computing them with ``bwd``
       (the registered backward op, or its eager twin, called with ``bwd_math``'s signature).
@@ -444,7 +448,16 @@ def define_op_family(
     DECOMPOSITIONS[bwd_op] = bwd_math
     tensor_args = tuple(i for i, a in enumerate(fwd_op._schema.arguments) if _is_tensor_type(a.type))
     family = OpFamily(
-        name, fwd_op, bwd_op, Eager, _run_fwd_direct, tensor_args, _run_bwd_direct, setup_context, backward
+        name,
+        fwd_op,
+        bwd_op,
+        Eager,
+        _run_fwd_direct,
+        tensor_args,
+        _run_bwd_direct,
+        setup_context,
+        backward,
+        has_kernels=fwd_kernels is not None,
     )
     FAMILIES[fwd_op] = family
     FAMILY_OF.update(dict.fromkeys((fwd_op._name, bwd_op._name), name))
@@ -455,9 +468,9 @@ _DIRECT = DirectLaunch()
 _TRACEABLE = TraceableLaunch()
 
 
-def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any], args: Sequence[Any]) -> Any:
+def _run_direct(math: Callable[..., Any], kernels: Callable[..., Any] | None, args: Sequence[Any]) -> Any:
     x = args[0]
-    if x.numel() == 0 or not kernels_run_on(x.device):
+    if kernels is None or x.numel() == 0 or not kernels_run_on(x.device):
         return math(*args)
     return kernels(_DIRECT, *args)
 
@@ -550,14 +563,14 @@ def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates:
 
 
 def _define_op(
-    qualname: str, math: Callable[..., Any], kernels: Callable[..., Any], mutates_args: tuple[str, ...] = ()
+    qualname: str, math: Callable[..., Any], kernels: Callable[..., Any] | None, mutates_args: tuple[str, ...] = ()
 ) -> OpOverload:
     full_name = f"{NAMESPACE}::{qualname}"
 
     @functools.wraps(math)
     def body(*args: Any) -> Any:
         x = args[0]
-        if _traces_math(full_name, args) or x.device.type != "cuda" or x.numel() == 0:
+        if kernels is None or _traces_math(full_name, args) or x.device.type != "cuda" or x.numel() == 0:
             return math(*args)
         return kernels(_TRACEABLE, *args)
 

@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from inductor_ext.ops._layout import rows_2d
 from inductor_ext.ops._library import Launch, define_op_family
 from inductor_ext.ops.glu import (
     geglu_ref,
@@ -162,13 +163,8 @@ def lora_linear_fwd_math(
     dropout_mask: Tensor | None,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
-    """Forward (every path: the GEMMs are aten's): ``(y, xa)``."""
+    """Forward (every path: the GEMMs are aten's; the family has no kernels): ``(y, xa)``."""
     return _project(x, _Fwd(weight, bias, lora_a, lora_b, scaling, dropout_mask), dropout_p)
-
-
-def lora_linear_fwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor]:
-    """The GPU path: cuBLAS through aten, as the math (no elementwise work to fuse into a kernel)."""
-    return lora_linear_fwd_math(*args)
 
 
 def lora_linear_bwd_math(
@@ -189,10 +185,6 @@ def lora_linear_bwd_math(
     return _dx_or_empty(dx, x), dlora_a, dlora_b
 
 
-def lora_linear_bwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return lora_linear_bwd_math(*args)
-
-
 def _linear_setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
     x, weight, _bias, lora_a, lora_b, ctx.scaling, mask, ctx.dropout_p = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b, output[1], mask)
@@ -211,9 +203,9 @@ def _linear_backward(ctx: Any, bwd: Any, dy: Tensor | None, _dxa: Tensor | None)
 lora_linear_family = define_op_family(
     "lora_linear",
     fwd_math=lora_linear_fwd_math,
-    fwd_kernels=lora_linear_fwd_kernels,
+    fwd_kernels=None,  # cuBLAS through aten on every path: no kernels of its own, no route to time
     bwd_math=lora_linear_bwd_math,
-    bwd_kernels=lora_linear_bwd_kernels,
+    bwd_kernels=None,
     setup_context=_linear_setup_context,
     backward=_linear_backward,
 )
@@ -257,11 +249,6 @@ def lora_qkv_fwd_math(
     return q, k, v, q_xa, k_xa, v_xa
 
 
-def lora_qkv_fwd_kernels(launch: Launch, *args: Any) -> QkvOutputs:
-    """The GPU path: cuBLAS through aten, as the math."""
-    return lora_qkv_fwd_math(*args)
-
-
 def lora_qkv_bwd_math(
     dq: Tensor,
     dk: Tensor,
@@ -301,10 +288,6 @@ def lora_qkv_bwd_math(
         grads += (dlora_a, dlora_b)
     dqa, dqb, dka, dkb, dva, dvb = grads
     return _dx_or_empty(dx, x), dqa, dqb, dka, dkb, dva, dvb
-
-
-def lora_qkv_bwd_kernels(launch: Launch, *args: Any) -> AdapterGrads:
-    return lora_qkv_bwd_math(*args)
 
 
 def _fwd_groups(inputs: Sequence[Any], first: int) -> list[_Fwd]:
@@ -350,9 +333,9 @@ def _qkv_backward(ctx: Any, bwd: Any, *grads: Tensor | None) -> tuple[Tensor | N
 lora_qkv_family = define_op_family(
     "lora_qkv",
     fwd_math=lora_qkv_fwd_math,
-    fwd_kernels=lora_qkv_fwd_kernels,
+    fwd_kernels=None,  # cuBLAS through aten on every path: no kernels of its own, no route to time
     bwd_math=lora_qkv_bwd_math,
-    bwd_kernels=lora_qkv_bwd_kernels,
+    bwd_kernels=None,
     setup_context=_qkv_setup_context,
     backward=_qkv_backward,
 )
@@ -618,15 +601,10 @@ def _masks(
     return list(given)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` as 2-D rows of its last dim (a view when its strides allow)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 def _fwd_args(proj: LoraProjection, x: Tensor, mask: Tensor | None) -> tuple[Any, ...]:
     """A projection's forward op arguments, the adapters cast to x's dtype (float32 ones)."""
     lora_a, lora_b = proj.lora_a.to(x.dtype), proj.lora_b.to(x.dtype)
-    return proj.weight, proj.bias, lora_a, lora_b, float(proj.scaling), None if mask is None else _rows(mask)
+    return proj.weight, proj.bias, lora_a, lora_b, float(proj.scaling), None if mask is None else rows_2d(mask)
 
 
 def lora_linear(
@@ -655,7 +633,7 @@ def lora_linear(
         mask: Tensor | None = dropout_mask
     else:
         (mask,) = _masks(fn, ("proj",), None, [x.shape], dropout_p, x.device)
-    y, _xa = lora_linear_family(_rows(x), *_fwd_args(proj, x, mask), float(dropout_p))
+    y, _xa = lora_linear_family(rows_2d(x), *_fwd_args(proj, x, mask), float(dropout_p))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -681,7 +659,7 @@ def lora_qkv(
     _check_dropout_p(fn, dropout_p)
     masks = _masks(fn, ("q", "k", "v"), dropout_masks, [x.shape] * 3, dropout_p, x.device)
     args = [a for proj, mask in zip((q, k, v), masks) for a in _fwd_args(proj, x, mask)]
-    yq, yk, yv, *_xa = lora_qkv_family(_rows(x), *args, float(dropout_p))
+    yq, yk, yv, *_xa = lora_qkv_family(rows_2d(x), *args, float(dropout_p))
     if x.dim() == 2:
         return yq, yk, yv
     lead = x.shape[:-1]
@@ -730,7 +708,7 @@ def lora_mlp(
     shapes = [x.shape, x.shape, (*x.shape[:-1], intermediate)]
     masks = _masks(fn, ("gate", "up", "down"), dropout_masks, shapes, dropout_p, x.device)
     args = [a for proj, mask in zip((gate, up, down), masks) for a in _fwd_args(proj, x, mask)]
-    y, *_saved = lora_mlp_family(_rows(x), *args, activation, float(dropout_p))
+    y, *_saved = lora_mlp_family(rows_2d(x), *args, activation, float(dropout_p))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 

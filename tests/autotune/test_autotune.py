@@ -315,6 +315,23 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
                                                               ("fastops::rms_norm_bwd", "kernel", "database")]  # fmt: skip
 
 
+def test_a_family_without_kernels_has_no_route_to_time(monkeypatch, tmp_path):
+    """LoRA linear is cuBLAS through aten on every path: nothing is timed or stored for it."""
+    from torch._subclasses import FakeTensorMode
+
+    from inductor_ext.ops.lora import lora_linear_family
+
+    monkeypatch.setattr(choice, "measure_routes", lambda *args: pytest.fail("timed a family without kernels"))
+    with FakeTensorMode():
+        x, weight = torch.empty(8, 16, device="cuda"), torch.empty(32, 16, device="cuda")
+        lora_a, lora_b = torch.empty(4, 16, device="cuda"), torch.empty(32, 4, device="cuda")
+    args = (x, weight, None, lora_a, lora_b, 2.0, None, 0.0)
+    database = TuningDatabase()
+    assert not lora_linear_family.has_kernels and rms_norm_family.has_kernels
+    assert choice.decide_routes(lora_linear_family, args, BackendOptions(), database, torch.device("cuda")) == []
+    assert not list(_entries())
+
+
 # ---------------------------------------------------------------- random inputs
 
 
