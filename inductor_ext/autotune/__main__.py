@@ -25,7 +25,7 @@ from inductor_ext.autotune.report import (
     untuned_row,
 )
 from inductor_ext.autotune.trace import calls_from_entry, calls_from_hf_config
-from inductor_ext.autotune.tune import record_untuned, tune_calls
+from inductor_ext.autotune.tune import tune_into_database
 from inductor_ext.inductor.choice import device_name
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.tuning.database import TuningDatabase
@@ -114,13 +114,12 @@ def _tune(namespace: argparse.Namespace) -> int:
         return 1
     database = TuningDatabase()
     device = namespace.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        options, _ = parse_options(None)
-        name = device_name(device)
-        rows = [decision_row(d, name) for d in tune_calls(calls, database, device, options)]
-    else:
-        record_untuned(calls, database)
+    decisions = tune_into_database(calls, database, device, parse_options(None)[0])
+    if decisions is None:
         rows = [untuned_row(call.op, call.signature, "cpu") for call in calls]
+    else:
+        name = device_name(device)
+        rows = [decision_row(d, name) for d in decisions]
     print(format_table(rows))
     print(f"\n{len(calls)} op calls -> {database.path}")
     return 0

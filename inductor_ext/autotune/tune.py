@@ -56,3 +56,13 @@ def tune_calls(
                 "out of GPU memory tuning %s%s, skipped: %s", call.op, call.signature, str(error).splitlines()[0]
             )
     return decisions
+
+
+def tune_into_database(
+    calls: Sequence[OpCall], database: TuningDatabase, device: torch.device, options: BackendOptions
+) -> list[RouteDecision] | None:
+    """:func:`tune_calls` on a GPU; elsewhere :func:`record_untuned` (None: nothing is timed)."""
+    if device.type == "cuda":
+        return tune_calls(calls, database, device, options)
+    record_untuned(calls, database)
+    return None

@@ -173,7 +173,7 @@ def tune_from_config(args: argparse.Namespace) -> float:
     """Fill the tuning database with the standalone tuner from the model's config and the batch
     shape (no model is built or run, as ``python -m inductor_ext.autotune tune --hf-config``); its seconds."""
     from inductor_ext.autotune.trace import calls_from_hf_config
-    from inductor_ext.autotune.tune import record_untuned, tune_calls
+    from inductor_ext.autotune.tune import tune_into_database
     from inductor_ext.inductor.options import parse_options
     from inductor_ext.tuning.database import TuningDatabase
 
@@ -182,11 +182,7 @@ def tune_from_config(args: argparse.Namespace) -> float:
         path = Path(folder) / "config.json"
         config_for(args.model).to_json_file(path)
         calls = calls_from_hf_config(path, args.batch, args.seq, torch.bfloat16, grad=True)
-    database = TuningDatabase()
-    if args.device == "cuda":
-        tune_calls(calls, database, torch.device("cuda"), parse_options(None)[0])
-    else:
-        record_untuned(calls, database)
+    tune_into_database(calls, TuningDatabase(), torch.device(args.device), parse_options(None)[0])
     return time.perf_counter() - start
 
 
@@ -206,17 +202,15 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     tune_s = tune_from_config(args) if provider.endswith("_warm_db") else None
     if provider == "liger_eager":
         apply_liger(args.model)
+    from inductor_ext import models
+
     model = build_model(args.model, device, torch.bfloat16)
     if provider.startswith("patched_"):
-        from inductor_ext import models
-
         weight_dtype = provider.endswith("_weight_dtype")
         models.apply(model, weight_grad_accumulation="weight_dtype" if weight_dtype else "fp32")
     if provider in LORA_PROVIDERS:
         model = add_lora(model)
     if provider.startswith("lora_fused_"):
-        from inductor_ext import models
-
         models.apply(model)
     if ranks > 1:
         fsdp.shard(model)
