@@ -36,10 +36,14 @@ NORM_FORWARDS = {"llama": llama_norm_forward, "fp32_weight": fp32_weight_norm_fo
 
 
 def gated_mlp_forward(self: Any, x: Tensor) -> Tensor:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused; the
+    projections' outputs are this function's own, so the eager backward writes their gradients over them."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     activation, approximate = self._fastops_activation
-    hidden = swiglu(gate, up) if activation == "silu" else geglu(gate, up, approximate)
+    if activation == "silu":
+        hidden = swiglu(gate, up, overwrite_inputs_in_backward=True)
+    else:
+        hidden = geglu(gate, up, approximate, overwrite_inputs_in_backward=True)
     return self.down_proj(hidden)
 
 
@@ -47,7 +51,10 @@ def packed_mlp_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """Phi-3: ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
     gate_up = self.gate_up_proj(hidden_states)
     activation, approximate = self._fastops_activation
-    hidden = swiglu_packed(gate_up) if activation == "silu" else geglu_packed(gate_up, approximate)
+    if activation == "silu":
+        hidden = swiglu_packed(gate_up, overwrite_inputs_in_backward=True)
+    else:
+        hidden = geglu_packed(gate_up, approximate, overwrite_inputs_in_backward=True)
     return self.down_proj(hidden)
 
 

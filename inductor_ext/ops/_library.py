@@ -352,6 +352,14 @@ def use_eager_bypass(tensors: Sequence[torch.Tensor | None]) -> bool:
     return all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
 
 
+def backward_may_overwrite_saved(bwd: Any) -> bool:
+    """Whether a backward, given ``bwd`` (the registered backward op, or its direct twin in plain eager),
+    may write its results over the tensors its forward saved: in plain eager only (the registered op is
+    functional, and a compiler plans the memory itself), with a graph that is not retained (no second
+    backward reads them)."""
+    return not isinstance(bwd, OpOverload) and not torch._C._autograd._get_current_graph_task_keep_graph()
+
+
 @dataclasses.dataclass(frozen=True)
 class OpFamily:
     """A forward/backward pair of registered ops and the eager bypass around them."""

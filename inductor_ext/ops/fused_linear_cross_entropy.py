@@ -81,6 +81,7 @@ from torch import Tensor
 from inductor_ext.ops._library import (
     DirectLaunch,
     Launch,
+    backward_may_overwrite_saved,
     define_op_family,
     define_opaque_mutating_op,
     kernels_run_on,
@@ -435,7 +436,7 @@ def _backward(ctx: Any, bwd: Any, dloss: Tensor | None, *_unused: Tensor | None)
     if reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         dx, dw, db = bwd(dloss, hidden, weight, labels, bias, empty, empty, empty, *options)
-    elif not isinstance(bwd, torch._ops.OpOverload) and not torch._C._autograd._get_current_graph_task_keep_graph():
+    elif backward_may_overwrite_saved(bwd):
         dx, dw, db = (_scale_in_place(t, dloss) for t in ctx.saved_tensors)
     else:
         dx, dw, db = bwd(dloss, empty, empty, empty, None, *ctx.saved_tensors, *options)

@@ -24,7 +24,14 @@ from torch import Tensor
 
 from inductor_ext.kernels.glu import ACTIVATIONS, glu_bwd_kernel, glu_fwd_kernel
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
-from inductor_ext.ops._library import Launch, define_op_family
+from inductor_ext.ops._library import (
+    DirectLaunch,
+    Launch,
+    OpFamily,
+    backward_may_overwrite_saved,
+    define_op_family,
+    kernels_run_on,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 APPROXIMATIONS = ("none", "tanh")
@@ -102,8 +109,16 @@ def glu_fwd_kernels(launch: Launch, gate: Tensor, up: Tensor, activation: str) -
 def glu_bwd_kernels(launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     dy, gate, up = unit_last_stride(dy), unit_last_stride(gate), unit_last_stride(up)
     M, I = gate.shape
-    dgate, dup = gate.new_empty((M, I)), gate.new_empty((M, I))
-    flat = _is_flat(I, dy, gate, up)
+    return _glu_bwd_into(launch, dy, gate, up, activation, gate.new_empty((M, I)), gate.new_empty((M, I)))
+
+
+def _glu_bwd_into(
+    launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activation: str, dgate: Tensor, dup: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The backward kernel writing into ``dgate`` and ``dup``, which may be ``gate`` and ``up`` themselves
+    (each element is read before its gradient is stored over it)."""
+    M, I = gate.shape
+    flat = _is_flat(I, dy, gate, up, dgate, dup)
     _launch(
         launch, glu_bwd_kernel, (M, I), activation,
         dy, gate, up, dgate, dup, M, I, dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
@@ -125,8 +140,12 @@ def glu_packed_fwd_kernels(launch: Launch, gate_up: Tensor, activation: str) -> 
 
 def glu_packed_bwd_kernels(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str) -> Tensor:
     dy, gate_up = unit_last_stride(dy), unit_last_stride(gate_up)
+    return _glu_packed_bwd_into(launch, dy, gate_up, activation, gate_up.new_empty(gate_up.shape[0], 2 * dy.shape[1]))
+
+
+def _glu_packed_bwd_into(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str, dgate_up: Tensor) -> Tensor:
+    """The packed backward kernel writing into ``dgate_up``, which may be ``gate_up`` itself."""
     M, I = dy.shape
-    dgate_up = gate_up.new_empty((M, 2 * I))
     _launch(
         launch, glu_bwd_kernel, (M, I), activation,
         dy, gate_up, None, dgate_up, None,
@@ -141,12 +160,40 @@ def _setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
     ctx.save_for_backward(*tensors)
 
 
+def _overwrites_inputs(ctx: Any, bwd: Any, inputs: Sequence[Tensor]) -> bool:
+    """Whether this backward writes the input gradients over the saved inputs: asked for by the caller
+    (``overwrite_inputs_in_backward``), allowed (:func:`backward_may_overwrite_saved`), launched by our
+    kernels, and the inputs are activations (never leaves: a parameter must not become its own gradient)."""
+    return (
+        getattr(ctx, "overwrite_inputs", False)
+        and backward_may_overwrite_saved(bwd)
+        and all(t.grad_fn is not None and t.stride(-1) == 1 and kernels_run_on(t.device) for t in inputs)
+    )
+
+
 def _backward(ctx: Any, bwd: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-    return (*bwd(dy, *ctx.saved_tensors, ctx.activation), None)
+    gate, up = ctx.saved_tensors
+    if not _overwrites_inputs(ctx, bwd, (gate, up)):
+        return (*bwd(dy, gate, up, ctx.activation), None)
+    _glu_bwd_into(DirectLaunch(), unit_last_stride(dy), gate, up, ctx.activation, gate, up)
+    for t in (gate, up):  # anything else that saved them now fails loudly instead of reading gradients
+        torch.autograd.graph.increment_version(t)
+    return gate.detach(), up.detach(), None
 
 
 def _packed_backward(ctx: Any, bwd: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-    return bwd(dy, *ctx.saved_tensors, ctx.activation), None
+    (gate_up,) = ctx.saved_tensors
+    if not _overwrites_inputs(ctx, bwd, (gate_up,)):
+        return bwd(dy, gate_up, ctx.activation), None
+    _glu_packed_bwd_into(DirectLaunch(), unit_last_stride(dy), gate_up, ctx.activation, gate_up)
+    torch.autograd.graph.increment_version(gate_up)
+    return gate_up.detach(), None
+
+
+def _mark_overwrite(family: OpFamily, y: Tensor, overwrite_inputs_in_backward: bool) -> None:
+    """Tell ``y``'s eager backward node (the autograd context) that it may overwrite the saved inputs."""
+    if overwrite_inputs_in_backward and isinstance(y.grad_fn, family.eager._backward_cls):
+        y.grad_fn.overwrite_inputs = True
 
 
 glu_family = define_op_family(
@@ -185,7 +232,7 @@ def _activation_name(fn: str, approximate: str) -> str:
     return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
-def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def _glu(fn: str, gate: Tensor, up: Tensor, activation: str, overwrite_inputs_in_backward: bool) -> Tensor:
     _check_tensor(fn, "gate", gate)
     _check_tensor(fn, "up", up)
     if up.shape != gate.shape:
@@ -195,52 +242,63 @@ def _glu(fn: str, gate: Tensor, up: Tensor, activation: str) -> Tensor:
     if up.device != gate.device:
         raise ValueError(f"{fn}: up is on {up.device} but gate is on {gate.device}; both must be on one device")
     y = glu_family(rows_2d(gate), rows_2d(up), activation)
+    _mark_overwrite(glu_family, y, overwrite_inputs_in_backward)
     return y if gate.dim() == 2 else y.view(gate.shape)
 
 
-def _glu_packed(fn: str, gate_up: Tensor, activation: str) -> Tensor:
+def _glu_packed(fn: str, gate_up: Tensor, activation: str, overwrite_inputs_in_backward: bool) -> Tensor:
     _check_tensor(fn, "gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"{fn}: gate_up's last dimension must be even (gate and up halves), got {gate_up.shape[-1]}")
     y = glu_packed_family(rows_2d(gate_up), activation)
+    _mark_overwrite(glu_packed_family, y, overwrite_inputs_in_backward)
     return y if gate_up.dim() == 2 else y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, *, overwrite_inputs_in_backward: bool = False) -> Tensor:
     """``silu(gate) * up`` (the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)``), fused.
 
     Args:
         gate, up: same shape and dtype (float32/bfloat16/float16), any leading dims.
             Rows may have any stride (e.g. halves of one projection); only a last dim
             without unit stride, or leading dims that cannot be flattened, are copied.
+        overwrite_inputs_in_backward: let the eager backward write the gradients of ``gate``
+            and ``up`` over ``gate`` and ``up`` (no new ``2 M I`` elements at the backward's
+            peak), when they are activations nothing else reads after it, e.g. the outputs of
+            the MLP's projections (as :func:`inductor_ext.models.apply` passes them). Their
+            version counters are bumped, so a backward that saved them too raises instead of
+            reading gradients. Only where our kernels run, the graph is not retained, and in
+            plain eager: compiled graphs plan their own buffers.
 
     Computes in fp32 and rounds once to the inputs' dtype (HF eager also rounds
     ``silu(gate)`` to the dtype before the product). The backward recomputes
     ``silu(gate)`` from the saved inputs.
     """
-    return _glu("swiglu", gate, up, "silu")
+    return _glu("swiglu", gate, up, "silu", overwrite_inputs_in_backward)
 
 
-def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, overwrite_inputs_in_backward: bool = False) -> Tensor:
     """``gelu(gate, approximate=approximate) * up``, fused; ``approximate`` is ``"none"`` (erf) or ``"tanh"``.
 
     Same arguments and numerics as :func:`swiglu`.
     """
-    return _glu("geglu", gate, up, _activation_name("geglu", approximate))
+    return _glu("geglu", gate, up, _activation_name("geglu", approximate), overwrite_inputs_in_backward)
 
 
-def swiglu_packed(gate_up: Tensor) -> Tensor:
+def swiglu_packed(gate_up: Tensor, *, overwrite_inputs_in_backward: bool = False) -> Tensor:
     """``silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)`` (Phi-3's fused ``gate_up_proj``).
 
     ``gate_up`` is ``(..., 2 * I)``; returns ``(..., I)``. The gradient is one
-    ``(..., 2 * I)`` tensor written by one kernel (no concatenation).
+    ``(..., 2 * I)`` tensor written by one kernel (no concatenation), over ``gate_up`` itself with
+    ``overwrite_inputs_in_backward`` (as :func:`swiglu`'s).
     """
-    return _glu_packed("swiglu_packed", gate_up, "silu")
+    return _glu_packed("swiglu_packed", gate_up, "silu", overwrite_inputs_in_backward)
 
 
-def geglu_packed(gate_up: Tensor, approximate: str = "none") -> Tensor:
+def geglu_packed(gate_up: Tensor, approximate: str = "none", *, overwrite_inputs_in_backward: bool = False) -> Tensor:
     """``gelu(gate, approximate=approximate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``."""
-    return _glu_packed("geglu_packed", gate_up, _activation_name("geglu_packed", approximate))
+    activation = _activation_name("geglu_packed", approximate)
+    return _glu_packed("geglu_packed", gate_up, activation, overwrite_inputs_in_backward)
 
 
 def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:

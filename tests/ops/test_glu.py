@@ -206,6 +206,56 @@ def test_eager_bypasses_the_dispatcher():
     assert {"fastops::glu_fwd", "fastops::glu_bwd"} <= names, names
 
 
+def _activations(x: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
+    """Activations computed from ``x`` (outputs of an op, as a projection's, not leaves)."""
+    x = x.detach().requires_grad_()
+    return (x * 1.0,) if packed else (x * 1.0, x * 0.5 + 1.0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed):
+    """``overwrite_inputs_in_backward``: the eager backward's input gradients are the inputs' own
+    buffers, with the values of the ordinary backward."""
+    f = (lambda g: swiglu_packed(g, overwrite_inputs_in_backward=True)) if packed else (
+        lambda g, u: swiglu(g, u, overwrite_inputs_in_backward=True))  # fmt: skip
+    plain = swiglu_packed if packed else swiglu
+    dy = torch.randn(5, 48, device=DEVICE)
+    x = torch.randn(5, 96 if packed else 48, device=DEVICE)
+    inputs = _activations(x, packed)
+    expected = torch.autograd.grad(plain(*inputs), inputs, dy)
+    inputs = _activations(x, packed)
+    pointers = [t.data_ptr() for t in inputs]
+    grads = torch.autograd.grad(f(*inputs), inputs, dy)
+    assert [g.data_ptr() for g in grads] == pointers
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_overwriting_backward_keeps_inputs_that_must_survive():
+    """No overwrite for a retained graph (a second backward reads the inputs) or for leaves (a
+    parameter must not become its own gradient); a backward that saved an overwritten input raises."""
+    dy = torch.randn(5, 48, device=DEVICE)
+    x = torch.randn(5, 48, device=DEVICE)
+    gate, up = _activations(x, False)
+    y = swiglu(gate, up, overwrite_inputs_in_backward=True)
+    first = torch.autograd.grad(y, (gate, up), dy, retain_graph=True)
+    second = torch.autograd.grad(y, (gate, up), dy)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert first[0].data_ptr() != gate.data_ptr()
+
+    leaf_gate = torch.randn(5, 48, device=DEVICE, requires_grad=True)
+    before = leaf_gate.detach().clone()
+    swiglu(leaf_gate, up.detach(), overwrite_inputs_in_backward=True).backward(dy)
+    assert torch.equal(leaf_gate.detach(), before)
+
+    gate, up = _activations(x, False)
+    saved_by_another_op = gate.sin()  # saves gate; its backward runs after swiglu's
+    y = swiglu(gate, up, overwrite_inputs_in_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (saved_by_another_op.sum() + (y * dy).sum()).backward()
+
+
 # torch.compile, cpp_wrapper and AOTInductor on CPU: the compiled graphs run the ops' CPU
 # branch (aten math compiled to C++) while eager runs the interpreted kernels, so agreement
 # checks both the CPU branch and the autograd wiring. Each compile costs seconds: few, small.
