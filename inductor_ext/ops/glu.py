@@ -192,7 +192,11 @@ def _packed_backward(ctx: Any, bwd: Any, dy: Tensor) -> tuple[Tensor | None, ...
 
 def _mark_overwrite(family: OpFamily, y: Tensor, overwrite_inputs_in_backward: bool) -> None:
     """Tell ``y``'s eager backward node (the autograd context) that it may overwrite the saved inputs."""
-    if overwrite_inputs_in_backward and isinstance(y.grad_fn, family.eager._backward_cls):
+    if (
+        overwrite_inputs_in_backward
+        and not torch.compiler.is_compiling()
+        and isinstance(y.grad_fn, family.eager._backward_cls)
+    ):
         y.grad_fn.overwrite_inputs = True
 
 
