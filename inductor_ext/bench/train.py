@@ -408,14 +408,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tabulate import tabulate
 
-    results: dict[str, dict[str, Any]] = {}
-    for provider in args.providers:
-        if not available(provider):
-            print(f"{provider}: skipped (liger_kernel is not importable)")
-            continue
-        print(f"{provider} ...", flush=True)
-        with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
-            results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     stem += "_lora" if args.lora else ""
@@ -424,7 +416,18 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    results: dict[str, dict[str, Any]] = {}
+    for provider in args.providers:
+        if not available(provider):
+            print(f"{provider}: skipped (liger_kernel is not importable)")
+            continue
+        print(f"{provider} ...", end=" ", flush=True)
+        with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
+            result = results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
+        peak = f", {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else ""
+        print(f"{result['tokens_per_s']:,.0f} tokens/s{peak}, first step {result['first_step_s']:.1f} s", flush=True)
+        # written after every provider: a run stopped early keeps what it measured
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     rows = summarize(results)
     print(tabulate(rows, headers="keys"))
     for name, r in results.items():
