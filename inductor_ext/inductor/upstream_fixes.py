@@ -28,13 +28,32 @@ cubin and launch parameters to ``CudaKernelParamCache`` (``CachingAutotuner.run`
 when ``launcher.store_cubin``), and the C++ codegen of the first kernel asserts. Where torch's
 ``compile_fx_inner`` does not re-apply the config itself, the fix re-applies it around
 ``_compile_fx_inner`` for a ``cpp_wrapper`` graph compiled outside ``compile_fx``'s patch.
+
+**The min-cut partitioner counts an opaque custom op's mutated output as fusible** (seen with
+torch 2.13's ``torch/_functorch/partitioners.py``). Saving a tensor for the backward is weighted
+twice its size when all its users are fusible ops, on the premise that its producer would
+otherwise fuse into them and never be written. The partitioner already excepts the outputs of
+user Triton kernels (``triton_kernel_wrapper_functional``), but not those of
+``auto_functionalized`` / ``auto_functionalized_v2``, i.e. of a functionalized custom op that
+mutates its inputs, which Inductor runs as an extern kernel: the result is written whatever the
+partition. For the fused linear cross-entropy in ``weight_grad_accumulation="weight_dtype"``
+mode this moved the last chunk's ``accumulate_matmul_`` into the backward: the final
+``dweight``, whose only user is the backward's scaling, weighed ``2 V H``, against ``V H + C V +
+C H`` for the partial ``dweight``, the last chunk's ``(V, C)`` logit gradient and its hidden
+rows. So the forward kept that chunk's logit gradient alive until the backward, and the backward
+copied the partial ``dweight`` before accumulating into it. The fix makes ``OpTypes.is_fusible``
+false for the outputs of those two higher-order ops, as the partitioner's own rule for Triton
+kernels does.
 """
 
 import functools
 import inspect
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def restore_hash_locks_of_cached_kernels() -> None:
@@ -101,6 +120,34 @@ def _with_cpp_wrapper_config(compile_graph: Callable[..., Any]) -> Callable[...,
     return wrapped
 
 
+def opaque_mutating_op_outputs_are_not_fusible() -> None:
+    """Wrap the partitioner's ``OpTypes.is_fusible``: false for a ``getitem`` of an ``auto_functionalized``
+    or ``auto_functionalized_v2`` node (an extern kernel's output)."""
+    from torch._functorch import partitioners
+
+    op_types = getattr(partitioners, "OpTypes", None)
+    if op_types is None or getattr(op_types.is_fusible, "excepts_opaque_mutating_ops", False):
+        return
+    op_types.is_fusible = _not_fusible_if_opaque_output(op_types.is_fusible)
+
+
+def _not_fusible_if_opaque_output(is_fusible: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    higher_order = torch.ops.higher_order
+    opaque = tuple(
+        getattr(higher_order, n) for n in ("auto_functionalized", "auto_functionalized_v2") if hasattr(higher_order, n)
+    )
+
+    @functools.wraps(is_fusible)
+    def wrapped(self: Any, node: Any) -> bool:
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in opaque:
+            return False
+        return is_fusible(self, node)
+
+    wrapped.excepts_opaque_mutating_ops = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 def apply() -> None:
     restore_hash_locks_of_cached_kernels()
     reapply_cpp_wrapper_config_in_lazy_compiles()
+    opaque_mutating_op_outputs_are_not_fusible()
