@@ -5,15 +5,16 @@ keeps for the backward, and the MLP under ``fastops_inductor``."""
 
 import pytest
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from torch._dynamo.utils import counters
 
 from inductor_ext.ops.lora import lora_linear, lora_linear_ref, lora_mlp, lora_mlp_ref, lora_qkv, lora_qkv_ref
 from tests.ops.test_lora import (
-    ADAPTER,
-    _float64,
+    _Attention,
     _leaves,
+    _Mlp,
+    _ours_and_float64,
     _outputs_and_grads,
+    _peft,
     _projection,
     _record_dropout,
     _recorded_masks,
@@ -26,37 +27,10 @@ HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 2048, 512, 8192, 16, 4096
 DTYPE = torch.bfloat16
 
 
-class _Attention(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.k_proj = torch.nn.Linear(HIDDEN, KV, bias=False)
-        self.v_proj = torch.nn.Linear(HIDDEN, KV, bias=False)
-        self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-
-
-class _Mlp(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.up_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.down_proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _peft(module: torch.nn.Module, targets: list[str], dropout_p: float) -> torch.nn.Module:
-    """PEFT adapters (rank 16, alpha 32) in bf16 over the bf16 base; B random (PEFT's zero B would zero dA)."""
-    torch.manual_seed(0)
-    module = module.to(device="cuda", dtype=DTYPE)
-    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=dropout_p, target_modules=targets)
-    module = inject_adapter_in_model(config, module).to(DTYPE)
-    for name in targets:
-        lora_b = getattr(module, name).lora_B[ADAPTER].weight
-        with torch.no_grad():
-            lora_b.copy_(torch.randn_like(lora_b) / RANK**0.5)
-    return module
+def _peft_llama(module: str, targets: list[str], dropout_p: float) -> torch.nn.Module:
+    """Llama-3.2-1B's attention projections (no biases) or SwiGLU MLP with rank-16 PEFT adapters in bf16."""
+    layers = _Attention(HIDDEN, KV, qkv_bias=False) if module == "attention" else _Mlp("silu", HIDDEN, INTERMEDIATE)
+    return _peft(layers, targets, DTYPE, dropout_p, rank=RANK).to(DTYPE)  # adapters in bf16 too
 
 
 def _x(features: int = HIDDEN) -> torch.Tensor:
@@ -73,7 +47,7 @@ def _assert_as_close_as_peft(name: str, ours, peft_eager, peft_compiled, ref) ->
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.05])
 def test_qkv_and_o_match_float64_as_closely_as_peft(dropout_p):
-    model = _peft(_Attention(), ["q_proj", "k_proj", "v_proj", "o_proj"], dropout_p)
+    model = _peft_llama("attention", ["q_proj", "k_proj", "v_proj", "o_proj"], dropout_p)
     qkv_layers = [model.q_proj, model.k_proj, model.v_proj]
     recorders = _record_dropout(qkv_layers + [model.o_proj], dropout_p) if dropout_p > 0 else []
     x = _x()
@@ -90,30 +64,22 @@ def test_qkv_and_o_match_float64_as_closely_as_peft(dropout_p):
     else:
         peft_compiled = _outputs_and_grads(torch.compile(peft_qkv, fullgraph=True), x, params)
     q, k, v = (_projection(layer) for layer in qkv_layers)
-    ours = _outputs_and_grads(lambda x: lora_qkv(x, q, k, v, dropout_p=dropout_p, dropout_masks=masks), x, params)
-    q64, k64, v64 = (_float64(p) for p in (q, k, v))
-    ref = _outputs_and_grads(
-        lambda x: lora_qkv_ref(x, q64, k64, v64, dropout_p=dropout_p, dropout_masks=masks),
-        x.double(), [t for p in (q64, k64, v64) for t in (p.lora_a, p.lora_b)],
-    )  # fmt: skip
+    kw = {"dropout_p": dropout_p, "dropout_masks": masks}
+    ours, ref = _ours_and_float64(lora_qkv, lora_qkv_ref, [q, k, v], x, params, **kw)
     _assert_as_close_as_peft("qkv", ours, peft_eager, peft_compiled, ref)
 
     o_params = _leaves([model.o_proj])
     peft_o = _outputs_and_grads(model.o_proj, x, o_params)
     o_mask = _recorded_masks(recorders[3:])[0] if recorders else None
     o = _projection(model.o_proj)
-    ours_o = _outputs_and_grads(lambda x: lora_linear(x, o, dropout_p=dropout_p, dropout_mask=o_mask), x, o_params)
-    o64 = _float64(o)
-    ref_o = _outputs_and_grads(
-        lambda x: lora_linear_ref(x, o64, dropout_p=dropout_p, dropout_mask=o_mask),
-        x.double(), [o64.lora_a, o64.lora_b],
-    )  # fmt: skip
+    kw_o = {"dropout_p": dropout_p, "dropout_mask": o_mask}
+    ours_o, ref_o = _ours_and_float64(lora_linear, lora_linear_ref, [o], x, o_params, **kw_o)
     _assert_as_close_as_peft("o", ours_o, peft_o, peft_o, ref_o)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.05])
 def test_mlp_matches_float64_as_closely_as_peft(dropout_p):
-    model = _peft(_Mlp(), ["gate_proj", "up_proj", "down_proj"], dropout_p)
+    model = _peft_llama("mlp", ["gate_proj", "up_proj", "down_proj"], dropout_p)
     layers = [model.gate_proj, model.up_proj, model.down_proj]
     recorders = _record_dropout(layers, dropout_p) if dropout_p > 0 else []
     params = _leaves(layers)
@@ -122,14 +88,8 @@ def test_mlp_matches_float64_as_closely_as_peft(dropout_p):
     masks = _recorded_masks(recorders)
     peft_compiled = peft_eager if recorders else _outputs_and_grads(torch.compile(model), x, params)
     gate, up, down = (_projection(layer) for layer in layers)
-    ours = _outputs_and_grads(
-        lambda x: lora_mlp(x, gate, up, down, dropout_p=dropout_p, dropout_masks=masks), x, params
-    )
-    gate64, up64, down64 = (_float64(p) for p in (gate, up, down))
-    ref = _outputs_and_grads(
-        lambda x: lora_mlp_ref(x, gate64, up64, down64, dropout_p=dropout_p, dropout_masks=masks),
-        x.double(), [t for p in (gate64, up64, down64) for t in (p.lora_a, p.lora_b)],
-    )  # fmt: skip
+    kw = {"dropout_p": dropout_p, "dropout_masks": masks}
+    ours, ref = _ours_and_float64(lora_mlp, lora_mlp_ref, [gate, up, down], x, params, **kw)
     _assert_as_close_as_peft("mlp", ours, peft_eager, peft_compiled, ref)
 
 
@@ -137,7 +97,7 @@ def test_mlp_forward_keeps_gate_up_and_rank_r_products_only():
     """What a forward leaves allocated for the backward, beside its output: ``G`` and ``U``
     (``2 N I`` bf16) and the three ``(N, r)`` products; no copy of a base weight (each is
     ``H I`` bf16, 32 MiB) and not ``h`` (``N I``, 64 MiB)."""
-    model = _peft(_Mlp(), ["gate_proj", "up_proj", "down_proj"], 0.0)
+    model = _peft_llama("mlp", ["gate_proj", "up_proj", "down_proj"], 0.0)
     gate, up, down = (_projection(layer) for layer in (model.gate_proj, model.up_proj, model.down_proj))
     x = _x().requires_grad_()
     torch.cuda.synchronize()
@@ -155,7 +115,7 @@ def test_mlp_under_fastops_inductor_matches_eager():
     the eager op's output and gradients within bf16 noise."""
     torch._dynamo.reset()
     counters.clear()
-    model = _peft(_Mlp(), ["gate_proj", "up_proj", "down_proj"], 0.05)
+    model = _peft_llama("mlp", ["gate_proj", "up_proj", "down_proj"], 0.05)
     gate, up, down = (_projection(layer) for layer in (model.gate_proj, model.up_proj, model.down_proj))
     params = _leaves([model.gate_proj, model.up_proj, model.down_proj])
     x = _x()

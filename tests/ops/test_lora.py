@@ -32,40 +32,42 @@ ADAPTER = "default"
 
 
 class _Attention(torch.nn.Module):
-    """The projections of an attention block (Qwen2-like: biased q/k/v, unbiased o)."""
+    """The projections of an attention block (Qwen2-like: biased q/k/v, unbiased o; Llama: no biases)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, kv: int = KV, qkv_bias: bool = True) -> None:
         super().__init__()
-        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=True)
-        self.k_proj = torch.nn.Linear(HIDDEN, KV, bias=True)
-        self.v_proj = torch.nn.Linear(HIDDEN, KV, bias=True)
-        self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=qkv_bias)
+        self.k_proj = torch.nn.Linear(hidden, kv, bias=qkv_bias)
+        self.v_proj = torch.nn.Linear(hidden, kv, bias=qkv_bias)
+        self.o_proj = torch.nn.Linear(hidden, hidden, bias=False)
 
 
 class _Mlp(torch.nn.Module):
     """HF's LlamaMLP / GemmaMLP: ``down(act(gate(x)) * up(x))``."""
 
-    def __init__(self, activation: str) -> None:
+    def __init__(self, activation: str, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> None:
         super().__init__()
-        self.gate_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.up_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.down_proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
         self.act = {"silu": torch.nn.SiLU(), "gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU("tanh")}[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _peft(module: torch.nn.Module, targets: list[str], dtype: torch.dtype, dropout_p: float) -> torch.nn.Module:
-    """``module`` with PEFT LoRA adapters (rank 8, alpha 16: scaling 2) on ``targets``; B random, not zero
-    (PEFT's initial B = 0 would make every A gradient zero)."""
+def _peft(
+    module: torch.nn.Module, targets: list[str], dtype: torch.dtype, dropout_p: float, rank: int = RANK
+) -> torch.nn.Module:
+    """``module`` with PEFT LoRA adapters (alpha twice the rank: scaling 2) on ``targets``; B random, not
+    zero (PEFT's initial B = 0 would make every A gradient zero)."""
     module = module.to(device=DEVICE, dtype=dtype)
-    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=dropout_p, target_modules=targets)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout_p, target_modules=targets)
     module = inject_adapter_in_model(config, module)
     for name in targets:
         lora_b = getattr(module, name).lora_B[ADAPTER].weight
         with torch.no_grad():
-            lora_b.copy_(torch.randn_like(lora_b) / RANK**0.5)
+            lora_b.copy_(torch.randn_like(lora_b) / rank**0.5)
     return module
 
 
@@ -128,6 +130,15 @@ def _float64(proj: LoraProjection) -> LoraProjection:
     )  # fmt: skip
 
 
+def _ours_and_float64(fused, ref, projs, x: torch.Tensor, params: list[torch.Tensor], **kw) -> tuple[list, list]:
+    """Outputs and gradients (``x``'s and ``params``') of ``fused(x, *projs, **kw)``, and of
+    ``ref(x, *projs, **kw)`` on float64 copies of ``x`` and ``projs`` (gradients of their adapters)."""
+    ours = _outputs_and_grads(lambda x: fused(x, *projs, **kw), x, params)
+    projs64 = [_float64(p) for p in projs]
+    params64 = [t for p in projs64 for t in (p.lora_a, p.lora_b)]
+    return ours, _outputs_and_grads(lambda x: ref(x, *projs64, **kw), x.double(), params64)
+
+
 def _compare(name: str, ours, ref, n_outputs: int, dtype: torch.dtype, rows: int, peft=None) -> None:
     """Each of ours within its bound of float64 (outputs and dx: a few roundings; dA and dB: sums over
     ``rows``) and in PEFT's dtype; against PEFT: tight in float32, within both bounds in bf16 (each is
@@ -153,12 +164,8 @@ def _check_linear_layer(layer: torch.nn.Module, x: torch.Tensor, dtype: torch.dt
     peft = _outputs_and_grads(layer, x, params)
     mask = masks[0] if (masks := _recorded_masks(recorders)) else None
     proj = _projection(layer)
-    ours = _outputs_and_grads(lambda x: lora_linear(x, proj, dropout_p=dropout_p, dropout_mask=mask), x, params)
-    proj64 = _float64(proj)
-    ref = _outputs_and_grads(
-        lambda x: lora_linear_ref(x, proj64, dropout_p=dropout_p, dropout_mask=mask),
-        x.double(), [proj64.lora_a, proj64.lora_b],
-    )  # fmt: skip
+    kw = {"dropout_p": dropout_p, "dropout_mask": mask}
+    ours, ref = _ours_and_float64(lora_linear, lora_linear_ref, [proj], x, params, **kw)
     _compare("linear", ours, ref, 1, dtype, BATCH * SEQ, peft)
 
 
@@ -182,12 +189,8 @@ def test_qkv_matches_peft_and_float64(dtype, dropout_p):
     peft = _outputs_and_grads(lambda x: tuple(layer(x) for layer in layers), x, params)
     masks = _recorded_masks(recorders)
     q, k, v = (_projection(layer) for layer in layers)
-    ours = _outputs_and_grads(lambda x: lora_qkv(x, q, k, v, dropout_p=dropout_p, dropout_masks=masks), x, params)
-    q64, k64, v64 = (_float64(p) for p in (q, k, v))
-    ref = _outputs_and_grads(
-        lambda x: lora_qkv_ref(x, q64, k64, v64, dropout_p=dropout_p, dropout_masks=masks),
-        x.double(), [t for p in (q64, k64, v64) for t in (p.lora_a, p.lora_b)],
-    )  # fmt: skip
+    kw = {"dropout_p": dropout_p, "dropout_masks": masks}
+    ours, ref = _ours_and_float64(lora_qkv, lora_qkv_ref, [q, k, v], x, params, **kw)
     _compare("qkv", ours, ref, 3, dtype, BATCH * SEQ, peft)
 
 
@@ -204,12 +207,7 @@ def test_mlp_matches_peft_and_float64(dtype, dropout_p, activation):
     masks = _recorded_masks(recorders)
     gate, up, down = (_projection(layer) for layer in layers)
     kw = {"activation": activation, "dropout_p": dropout_p, "dropout_masks": masks}
-    ours = _outputs_and_grads(lambda x: lora_mlp(x, gate, up, down, **kw), x, params)
-    gate64, up64, down64 = (_float64(p) for p in (gate, up, down))
-    ref = _outputs_and_grads(
-        lambda x: lora_mlp_ref(x, gate64, up64, down64, **kw),
-        x.double(), [t for p in (gate64, up64, down64) for t in (p.lora_a, p.lora_b)],
-    )  # fmt: skip
+    ours, ref = _ours_and_float64(lora_mlp, lora_mlp_ref, [gate, up, down], x, params, **kw)
     _compare("mlp", ours, ref, 1, dtype, BATCH * SEQ, peft)
 
 
@@ -222,10 +220,7 @@ def test_mlp_gelu_with_biases_matches_float64():
     ]  # fmt: skip
     params = [t.requires_grad_() for p in projs for t in (p.lora_a, p.lora_b)]
     x = _x(torch.float32)
-    ours = _outputs_and_grads(lambda x: lora_mlp(x, *projs, activation="gelu"), x, params)
-    projs64 = [_float64(p) for p in projs]
-    params64 = [t for p in projs64 for t in (p.lora_a, p.lora_b)]
-    ref = _outputs_and_grads(lambda x: lora_mlp_ref(x, *projs64, activation="gelu"), x.double(), params64)
+    ours, ref = _ours_and_float64(lora_mlp, lora_mlp_ref, projs, x, params, activation="gelu")
     assert all(t.dtype == torch.float32 for t in ours)
     _compare("mlp", ours, ref, 1, torch.float32, BATCH * SEQ)
 
@@ -241,10 +236,8 @@ def test_float32_adapters_over_bf16_base_match_peft():
     x = _x(torch.bfloat16)
     peft = _outputs_and_grads(layer, x, params)
     proj = _projection(layer)
-    ours = _outputs_and_grads(lambda x: lora_linear(x, proj), x, params)
+    ours, ref = _ours_and_float64(lora_linear, lora_linear_ref, [proj], x, params)
     assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
-    proj64 = _float64(proj)
-    ref = _outputs_and_grads(lambda x: lora_linear_ref(x, proj64), x.double(), [proj64.lora_a, proj64.lora_b])
     _compare("linear", ours, ref, 1, torch.bfloat16, BATCH * SEQ, peft)
 
 
