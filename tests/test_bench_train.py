@@ -11,14 +11,15 @@ import torch
 from inductor_ext.bench import train
 
 
-def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900) -> tuple[dict, str]:
-    """``bench train`` on the tiny Llama on CPU (2 x 16 tokens, 2 timed steps); its results and stdout."""
+def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem="train_tiny-llama_2x16"):
+    """``bench train`` on the tiny Llama on CPU (2 x 16 tokens, 2 timed steps) with ``flags``; its results
+    and stdout (the JSON named ``stem``)."""
     command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
                "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
-               "--providers", *providers, "--out", str(tmp_path)]  # fmt: skip
+               "--providers", *providers, "--out", str(tmp_path), *flags]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp_path / "train_tiny-llama_2x16.json").read_text())["results"], proc.stdout
+    return json.loads((tmp_path / f"{stem}.json").read_text())["results"], proc.stdout
 
 
 def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
@@ -65,10 +66,23 @@ def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
     ]  # fmt: skip
 
 
+def test_loss_chunk_size_reaches_the_patched_loss(tmp_path, monkeypatch):
+    """``--loss-chunk-size``: the run writes its own file, prints each provider's headline as it finishes,
+    and trains as the default chunking does (that the size reaches the loss: tests/models/test_patch.py)."""
+    default, _ = run_tiny_bench(tmp_path, "patched_eager")
+    chunked, stdout = run_tiny_bench(
+        tmp_path, "patched_eager", flags=("--loss-chunk-size", "8"), stem="train_tiny-llama_2x16_loss_chunk8"
+    )
+    assert "patched_eager ... " in stdout and "tokens/s" in stdout  # the headline, printed as it finishes
+    for a, b in zip(default["patched_eager"]["losses"], chunked["patched_eager"]["losses"], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)  # bf16: the chunking changes only the rounding
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--steps", "0"], "must be >= 1"),
+        (["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1"),
         (["--providers", "nope"], "invalid choice"),
         (["--model", "gpt-17"], "invalid choice"),
         ([], "needs a CUDA GPU"),

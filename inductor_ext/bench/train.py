@@ -28,6 +28,10 @@ ops, and our norms, RoPE and loss) eager and under ``fastops_inductor``.
 per decoder layer, ``--batch`` sequences per rank, tokens/s summed over the ranks and reported per
 GPU too; the loss is the ranks' mean.
 
+``--loss-chunk-size N`` sets the rows per chunk of the patched models' fused loss
+(``models.apply(loss_chunk_size=N)``; the output files end in ``_loss_chunkN``): the trade between
+the loss's memory and its weight-gradient passes.
+
 ``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
 the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
 prove causal unless ``fastops.assume_no_padding`` is set (provider
@@ -206,12 +210,15 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
 
     model = build_model(args.model, device, torch.bfloat16)
     if provider.startswith("patched_"):
-        weight_dtype = provider.endswith("_weight_dtype")
-        models.apply(model, weight_grad_accumulation="weight_dtype" if weight_dtype else "fp32")
+        models.apply(
+            model,
+            weight_grad_accumulation="weight_dtype" if provider.endswith("_weight_dtype") else "fp32",
+            loss_chunk_size=args.loss_chunk_size,
+        )
     if provider in LORA_PROVIDERS:
         model = add_lora(model)
     if provider.startswith("lora_fused_"):
-        models.apply(model)
+        models.apply(model, loss_chunk_size=args.loss_chunk_size)
     if ranks > 1:
         fsdp.shard(model)
     step = make_step(model, provider, args.attention_mask)
@@ -300,6 +307,12 @@ def parser() -> argparse.ArgumentParser:
         "--cpp-wrapper", action="store_true", help=f"run {' '.join(CPP_WRAPPER_PROVIDERS)} (instead of --providers)"
     )
     p.add_argument("--lora", action="store_true", help=f"run {' '.join(LORA_PROVIDERS)} (instead of --providers)")
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        help="rows of logits per chunk of the patched models' fused loss (default: the memory mode's)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="GPUs of this host per provider (FSDP2; gloo ranks on CPU)")
     p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
                    help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
@@ -312,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> str | None:
     if min(args.batch, args.seq, args.steps, args.nproc) < 1 or min(args.warmup, args.profile_steps) < 0:
         return "--batch, --seq, --steps and --nproc must be >= 1; --warmup and --profile-steps >= 0"
+    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
+        return "--loss-chunk-size must be >= 1"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -323,6 +338,8 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
     flags = ["--model", args.model, "--batch", args.batch, "--seq", args.seq, "--steps", args.steps,
              "--warmup", args.warmup, "--profile-steps", args.profile_steps, "--attention-mask",
              args.attention_mask, "--device", args.device, "--worker", provider]  # fmt: skip
+    if args.loss_chunk_size is not None:
+        flags += ["--loss-chunk-size", args.loss_chunk_size]
     module_args = ["inductor_ext.bench", "train", *map(str, flags)]
     if args.nproc > 1:
         return fsdp.launch_command(args.nproc, module_args)
@@ -412,9 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     stem += "_lora" if args.lora else ""
     stem += f"_{args.nproc}gpu" if args.nproc > 1 else ""
+    stem += f"_loss_chunk{args.loss_chunk_size}" if args.loss_chunk_size else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-            "attention_mask": args.attention_mask, "torch": torch.__version__, "transformers": _version("transformers"),
+            "attention_mask": args.attention_mask, "loss_chunk_size": args.loss_chunk_size, "torch": torch.__version__,
+            "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     for provider in args.providers:

@@ -78,6 +78,7 @@ def causal_lm_loss(
     ignore_index: int = -100,
     shift_labels: Tensor | None = None,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
+    chunk_size: int | None = None,
 ) -> Tensor:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden_states)``, without the logits.
 
@@ -95,7 +96,7 @@ def causal_lm_loss(
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = fused_linear_cross_entropy(
         hidden, weight, shift_labels.reshape(-1).to(hidden.device), ignore_index=ignore_index, reduction=reduction,
-        softcap=softcap, weight_grad_accumulation=weight_grad_accumulation,
+        softcap=softcap, weight_grad_accumulation=weight_grad_accumulation, chunk_size=chunk_size,
     )  # fmt: skip
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -125,6 +126,7 @@ def causal_lm_forward(
         softcap=config.final_logit_softcapping if self._fastops_family.final_softcap else None,
         num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"), weight_grad_accumulation=self._fastops_weight_grad_accumulation,
+        chunk_size=self._fastops_loss_chunk_size,
     )  # fmt: skip
     fields = {name: getattr(outputs, name, None) for name in ("hidden_states", "attentions")}
     for cache_field in ("cache", "past_key_values"):  # transformers renamed it in 5.2x

@@ -86,13 +86,16 @@ def apply(
     loss: bool = True,
     lora: bool = True,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
+    loss_chunk_size: int | None = None,
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
 
     ``weight_grad_accumulation`` is the fused loss's memory mode for the LM head's gradient
     (:func:`inductor_ext.fused_linear_cross_entropy`): ``"fp32"`` (exact, an fp32 ``(V, H)``
     accumulator) or ``"weight_dtype"`` (accumulated in the weight's dtype, as Liger-Kernel does:
-    no accumulator, one rounding per chunk).
+    no accumulator, one rounding per chunk). ``loss_chunk_size`` is its rows of logits per chunk
+    (default: the mode's, ``H`` rows for ``"fp32"``, ``H / 4`` for ``"weight_dtype"``): fewer rows
+    hold less memory at the loss and read and write the weight gradient more often.
 
     ``lora=False`` leaves PEFT's LoRA layers as they are (the MLPs around them still get the fused
     activation).
@@ -106,6 +109,12 @@ def apply(
         raise ValueError(
             f"inductor_ext.models.apply: weight_grad_accumulation must be one of {WEIGHT_GRAD_ACCUMULATIONS}, "
             f"got {weight_grad_accumulation!r}"
+        )
+    if loss_chunk_size is not None and (
+        not isinstance(loss_chunk_size, int) or isinstance(loss_chunk_size, bool) or loss_chunk_size < 1
+    ):
+        raise ValueError(
+            f"inductor_ext.models.apply: loss_chunk_size must be None or a positive int, got {loss_chunk_size!r}"
         )
     hf_model = _unwrap(model)
     if hf_model in _PATCHED:
@@ -142,7 +151,11 @@ def apply(
             _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
     if loss:
         if type(hf_model) is classes[family.causal_lm]:
-            attributes = {"_fastops_family": family, "_fastops_weight_grad_accumulation": weight_grad_accumulation}
+            attributes = {
+                "_fastops_family": family,
+                "_fastops_weight_grad_accumulation": weight_grad_accumulation,
+                "_fastops_loss_chunk_size": loss_chunk_size,
+            }
             if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
                 report.loss = True
         else:

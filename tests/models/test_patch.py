@@ -128,6 +128,34 @@ def test_lower_memory_weight_gradient_mode_is_passed_to_the_loss():
         models.apply(model, weight_grad_accumulation="bf16")
 
 
+def test_loss_chunk_size_is_passed_to_the_loss(monkeypatch):
+    """``loss_chunk_size`` reaches the fused loss (the same loss and gradient in fp32); bad values raise."""
+    from inductor_ext.models import forwards
+
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    ids = _batches(1)[0]
+    chunk_sizes = []
+    loss = forwards.fused_linear_cross_entropy
+
+    def recording(*args, chunk_size=None, **kwargs):
+        chunk_sizes.append(chunk_size)
+        return loss(*args, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(forwards, "fused_linear_cross_entropy", recording)
+    with models.patched(model, loss_chunk_size=5):
+        ours = model(input_ids=ids, labels=ids).loss
+        ours.backward()
+    theirs = reference(input_ids=ids, labels=ids).loss
+    theirs.backward()
+    assert chunk_sizes == [5]
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="loss_chunk_size must be None or a positive int"):
+            models.apply(model, loss_chunk_size=bad)
+
+
 def test_evaluation_and_calls_without_labels_return_logits():
     reference = tiny_model("qwen3")
     model = copy.deepcopy(reference)
