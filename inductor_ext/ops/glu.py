@@ -140,7 +140,7 @@ def glu_packed_fwd_kernels(launch: Launch, gate_up: Tensor, activation: str) -> 
 
 def glu_packed_bwd_kernels(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str) -> Tensor:
     dy, gate_up = unit_last_stride(dy), unit_last_stride(gate_up)
-    return _glu_packed_bwd_into(launch, dy, gate_up, activation, gate_up.new_empty(gate_up.shape[0], 2 * dy.shape[1]))
+    return _glu_packed_bwd_into(launch, dy, gate_up, activation, gate_up.new_empty(gate_up.shape))
 
 
 def _glu_packed_bwd_into(launch: Launch, dy: Tensor, gate_up: Tensor, activation: str, dgate_up: Tensor) -> Tensor:
@@ -163,11 +163,14 @@ def _setup_context(ctx: Any, inputs: Sequence[Any], output: Tensor) -> None:
 def _overwrites_inputs(ctx: Any, bwd: Any, inputs: Sequence[Tensor]) -> bool:
     """Whether this backward writes the input gradients over the saved inputs: asked for by the caller
     (``overwrite_inputs_in_backward``), allowed (:func:`backward_may_overwrite_saved`), launched by our
-    kernels, and the inputs are activations (never leaves: a parameter must not become its own gradient)."""
+    kernels (not for zero-size inputs, which the math handles), and the inputs are activations (never
+    leaves: a parameter must not become its own gradient)."""
     return (
         getattr(ctx, "overwrite_inputs", False)
         and backward_may_overwrite_saved(bwd)
-        and all(t.grad_fn is not None and t.stride(-1) == 1 and kernels_run_on(t.device) for t in inputs)
+        and all(
+            t.grad_fn is not None and t.numel() > 0 and t.stride(-1) == 1 and kernels_run_on(t.device) for t in inputs
+        )
     )
 
 
