@@ -97,6 +97,33 @@ def test_patched_model_compiles_with_no_graph_break(model_type):
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
 
 
+def _kv_cache(outputs) -> object:
+    """The KV cache a causal LM returned (transformers renamed ``past_key_values`` to ``cache`` in 5.2x)."""
+    caches = (getattr(outputs, name, None) for name in ("cache", "past_key_values"))
+    return next((cache for cache in caches if cache is not None), None)
+
+
+def test_training_with_labels_builds_no_kv_cache_unless_asked():
+    """The fused-loss path returns no cache, so a compiled step's only differentiable output is the
+    loss (no zero gradient per cached key/value in the backward); ``use_cache=True`` still builds one."""
+    model = tiny_model("llama")
+    ids = _batches(1)[0]
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with models.patched(model):
+        assert _kv_cache(model(input_ids=ids, labels=ids)) is None
+        assert _kv_cache(model(input_ids=ids, labels=ids, use_cache=True)) is not None
+        torch._dynamo.reset()
+        torch.compile(model, backend=recording_backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    (output,) = graphs[0].graph.find_nodes(op="output")
+    returned = [node for node in torch.utils._pytree.tree_leaves(output.args) if isinstance(node, torch.fx.Node)]
+    assert [node.meta["example_value"].requires_grad for node in returned].count(True) == 1
+
+
 def test_loss_keeps_hf_semantics():
     """ignore_index labels, num_items_in_batch (sum / count, for gradient accumulation), shift_labels."""
     reference = tiny_model("llama")
