@@ -122,12 +122,15 @@ def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
 
 def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_path):
     """``--cpp-wrapper``'s C++-wrapper provider with a database the standalone tuner filled first (on
-    CPU the tuner records the calls untuned; on a GPU it times them)."""
-    results, _ = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor_cpp_wrapper_warm_db")
-    eager, ours = results["hf_eager"], results["fastops_inductor_cpp_wrapper_warm_db"]
-    assert eager["tune_s"] is None and ours["tune_s"] > 0
-    for a, b in zip(eager["losses"], ours["losses"], strict=True):
-        assert abs(a - b) <= 2e-2 * abs(a)
+    CPU the tuner records the calls untuned; on a GPU it times them), and the patched model (its
+    fused loss's in-place accumulation included) under the C++ wrapper."""
+    patched = "patched_fastops_inductor_weight_dtype_cpp_wrapper"
+    results, _ = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor_cpp_wrapper_warm_db", patched)
+    eager, warm, ours = results["hf_eager"], results["fastops_inductor_cpp_wrapper_warm_db"], results[patched]
+    assert eager["tune_s"] is None and warm["tune_s"] > 0
+    for losses in (warm["losses"], ours["losses"]):
+        for a, b in zip(eager["losses"], losses, strict=True):
+            assert abs(a - b) <= 2e-2 * abs(a)
 
 
 def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):

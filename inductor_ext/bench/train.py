@@ -89,6 +89,8 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
+    "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
+    "patched_fastops_inductor_weight_dtype_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
     "fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
     "fastops_inductor_warm_db": {"backend": "fastops_inductor"},
     "fastops_inductor_cpp_wrapper_warm_db": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -97,14 +99,15 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "peft_fastops_inductor": {"backend": "fastops_inductor"},
     "lora_fused_eager": None,
     "lora_fused_fastops_inductor": {"backend": "fastops_inductor"},
-}
+}  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
 patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused linear cross-entropy loss;
 ``_weight_dtype``: its LM-head gradient accumulated in the weight's dtype, the lower-memory mode);
-``_cpp_wrapper``: Inductor's C++ wrapper; ``_warm_db``: the standalone tuner fills the tuning
-database from the model's config before the model is built; ``peft_*`` and ``lora_fused_*`` train
-LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by :func:`inductor_ext.models.apply`."""
+``_cpp_wrapper``: Inductor's C++ wrapper (for the patched model too); ``_warm_db``: the standalone
+tuner fills the tuning database from the model's config before the model is built; ``peft_*`` and
+``lora_fused_*`` train LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by
+:func:`inductor_ext.models.apply`."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -212,7 +215,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     if provider.startswith("patched_"):
         models.apply(
             model,
-            weight_grad_accumulation="weight_dtype" if provider.endswith("_weight_dtype") else "fp32",
+            weight_grad_accumulation="weight_dtype" if "_weight_dtype" in provider else "fp32",
             loss_chunk_size=args.loss_chunk_size,
         )
     if provider in LORA_PROVIDERS:
