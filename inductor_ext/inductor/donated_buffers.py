@@ -1,19 +1,23 @@
-"""Post-grad pass: our backward kernels write their gradient over a donated input instead of a new buffer.
+"""Post-grad pass: our backward kernels write their gradients over donated inputs instead of new buffers.
 
 In a compiled backward, AOTAutograd *donates* the saved activations that nothing reads
 after the backward (``bw_donated_idxs``): Inductor may then reuse their memory. Its own
 kernels do: under ``torch.compile``, the cross-entropy backward of
 ``F.cross_entropy((h @ w.T).float(), y)`` writes the logits' gradient over the saved
-logits. Our kernels are user-defined Triton kernels that write into a buffer their op
-allocated, so the saved logits and their gradient were alive together: on the H200, at
+logits. Our kernels are user-defined Triton kernels that write into buffers their op
+allocated, so the saved inputs and their gradients were alive together: on the H200, at
 8192 x 2048 x 128256 (bf16), the backend's kernel route held 3.39 GiB above inputs and
-gradients against ``torch.compile``'s 1.96 (one 1.96 GiB logits tensor more).
+gradients against ``torch.compile``'s 1.96 (one 1.96 GiB logits tensor more). The SwiGLU/GeGLU
+backward is the same case: its ``dgate`` and ``dup`` (``2 N I`` elements) were allocated beside the
+saved ``gate`` and ``up`` at the first layer the backward reaches, where a training step's peak is.
 
-For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph whose input
-tensor is a donated graph input read by nothing after it, and whose output is a fresh
-``empty`` buffer of the same shape, strides and dtype, this pass launches the kernel's
-kernel in place, with the output pointing at the input (its autotuner, with the same
-configs, restores the input after each timed config), and every use of the output reads the input instead.
+For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph, each of its
+(input, output) pairs whose input is a donated graph input (or a view of one) read by nothing
+after the launch, through any view, and whose output is a fresh ``empty`` buffer of the same shape, strides and dtype, is written
+in place: the kernel's output argument points at the input (its autotuner, with the same
+configs, restores those inputs after each timed config), and every use of the output reads the
+input instead. The launch's other outputs keep their fresh buffers (written directly: the
+functional launch's clone of an empty buffer is dropped with it).
 It runs as part of the backend's ``post_grad_custom_post_pass``, after the post-grad graph's
 dead-code elimination: the in-place launch has no users, and fx does not count
 ``triton_kernel_wrapper_mutation`` as a side effect (torch 2.13), so a later
@@ -35,6 +39,7 @@ from torch.fx import Graph, Node
 from triton.runtime.autotuner import Autotuner
 
 from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel
+from inductor_ext.kernels.glu import glu_bwd_kernel
 
 aten = torch.ops.aten
 
@@ -42,20 +47,22 @@ aten = torch.ops.aten
 class InPlaceArguments(NamedTuple):
     input: str
     output: str
-    """Argument names: the kernel may write ``output`` over ``input``."""
+    """Argument names: the kernel may write ``output`` over ``input`` (elementwise: each program reads
+    an element of ``input`` before it writes the same element of ``output``)."""
 
 
-IN_PLACE_VARIANTS: dict[Any, InPlaceArguments] = {
-    cross_entropy_bwd_kernel.fn: InPlaceArguments("LOGITS", "DLOGITS"),
+IN_PLACE_VARIANTS: dict[Any, tuple[InPlaceArguments, ...]] = {
+    cross_entropy_bwd_kernel.fn: (InPlaceArguments("LOGITS", "DLOGITS"),),
+    glu_bwd_kernel.fn: (InPlaceArguments("GATE", "DGATE"), InPlaceArguments("UP", "DUP")),
 }
-"""Triton JIT function -> the arguments it may alias. Launches are traced through autotuners built
+"""Triton JIT function -> the argument pairs it may alias. Launches are traced through autotuners built
 around these functions (``ops._library.pruned_autotuner``), so the function identifies the kernel."""
 
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 
 
 def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -> int:
-    """Rewrite the launches described in the module docstring; returns how many."""
+    """Rewrite the launches described in the module docstring; returns how many outputs now alias inputs."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if not donated_indices or not any(n.name.startswith("tangents") for n in placeholders):
         return 0  # not a backward graph, or nothing donated
@@ -68,46 +75,72 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
         if variant is None or not isinstance(kernel, Autotuner) or kernel.restore_value:
             continue  # not ours, a bare JIT function, or already writing in place
         arguments = _kernel_arguments(launch)
-        source, output = arguments.get(variant.input), arguments.get(variant.output)
-        if not _can_write_over(launch, source, output, donated, order):
+        written = {pair.output: arguments.get(pair.output) for pair in variant}
+        if not _writes_fresh_buffers(launch, written):
             continue
+        in_place = [
+            pair
+            for pair in variant
+            if _can_write_over(launch, arguments.get(pair.input), arguments.get(pair.output), donated, order)
+        ]
+        if not in_place:
+            continue
+        sources = {pair.output: arguments[pair.input] for pair in in_place}
         with graph.inserting_before(launch):
             graph.call_function(
                 triton_kernel_wrapper_mutation,
                 kwargs={
-                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, variant.output)),
+                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, list(sources))),
                     "constant_args_idx": launch.kwargs["constant_args_idx"],
                     "grid": launch.kwargs["grid"],
                     "tma_descriptor_metadata": launch.kwargs["tma_descriptor_metadata"],
-                    "kwargs": {**arguments, variant.output: source},
+                    "kwargs": {**arguments, **sources},
                 },
             ).meta["val"] = None
-        for user in list(launch.users):  # getitem(launch, output): the only output it clones
-            user.replace_all_uses_with(source)
+        for user in list(launch.users):  # getitem(launch, name): the outputs it cloned
+            user.replace_all_uses_with(sources.get(user.args[1], arguments[user.args[1]]))
             graph.erase_node(user)
         graph.erase_node(launch)
-        graph.erase_node(cast(Node, output))
-        rewritten += 1
+        for name in sources:
+            graph.erase_node(cast(Node, arguments[name]))
+        rewritten += len(sources)
     return rewritten
 
 
-def _restoring(kernel: Autotuner, output: str) -> Autotuner:
-    """``kernel``'s configs, with an autotuner that restores ``output`` after each timed config (it is the input)."""
-    return triton.autotune(configs=kernel.configs, key=[], restore_value=[output], reset_to_zero=kernel.reset_to_zero)(
+def _restoring(kernel: Autotuner, outputs: list[str]) -> Autotuner:
+    """``kernel``'s configs, with an autotuner that restores ``outputs`` after each timed config (they are inputs)."""
+    return triton.autotune(configs=kernel.configs, key=[], restore_value=outputs, reset_to_zero=kernel.reset_to_zero)(
         kernel.fn
     )
 
 
-def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], order: Mapping[Node, int]) -> bool:
-    if not (isinstance(source, Node) and isinstance(output, Node)) or source not in donated:
-        return False
-    if output.op != "call_function" or output.target not in _ALLOCATIONS or set(output.users) != {launch}:
-        return False
-    if list(cast(list[str], launch.kwargs.get("tensors_to_clone", []))) != [_name_of(launch, output)]:
+def _writes_fresh_buffers(launch: Node, written: Mapping[str, Any]) -> bool:
+    """The launch writes (and its functional form clones) exactly the given outputs that are tensors, each
+    a fresh ``empty`` buffer only it uses, and its results are read only through ``getitem``."""
+    tensors = {name: node for name, node in written.items() if node is not None}
+    if set(cast(list[str], launch.kwargs.get("tensors_to_clone", []))) != set(tensors):
         return False
     if any(user.target is not operator.getitem for user in launch.users):
         return False
-    if any(order[user] > order[launch] for user in source.users if user is not launch):
+    return all(
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target in _ALLOCATIONS
+        and set(node.users) == {launch}
+        for node in tensors.values()
+    )
+
+
+def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], order: Mapping[Node, int]) -> bool:
+    """``source`` is a donated graph input, or a view of one (an op flattens its inputs to rows), that no
+    other argument of the launch aliases and nothing reads after it; ``output`` has its layout."""
+    if not (isinstance(source, Node) and isinstance(output, Node)) or _view_base(source) not in donated:
+        return False
+    aliases = _aliases(_view_base(source))
+    arguments = list(_kernel_arguments(launch).values())
+    if arguments.count(source) != 1 or any(a in aliases for a in arguments if a is not source):
+        return False  # also another argument of the kernel (read or written elsewhere)
+    if any(order[user] > order[launch] for node in aliases for user in node.users if user not in aliases):
         return False  # read after the launch: its values are still needed
     before, after = source.meta.get("val"), output.meta.get("val")
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
@@ -120,9 +153,28 @@ def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], 
     )
 
 
+def _is_view(node: Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and (target is aten._unsafe_view.default or getattr(target, "is_view", False))
+
+
+def _view_base(node: Node) -> Node:
+    """The tensor ``node`` is a chain of views of (itself if it is none)."""
+    while _is_view(node) and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _aliases(base: Node) -> set[Node]:
+    """``base`` and every view of it, views of views included."""
+    found, pending = {base}, [base]
+    while pending:
+        for user in pending.pop().users:
+            if _is_view(user) and user.args[0] in found and user not in found:
+                found.add(user)
+                pending.append(user)
+    return found
+
+
 def _kernel_arguments(launch: Node) -> Mapping[str, Any]:
     return cast(Mapping[str, Any], launch.kwargs["kwargs"])
-
-
-def _name_of(launch: Node, argument: Node) -> str | None:
-    return next((name for name, value in _kernel_arguments(launch).items() if value is argument), None)

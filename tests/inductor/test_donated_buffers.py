@@ -1,4 +1,5 @@
-"""The post-grad pass that makes our cross-entropy backward write its gradient over donated logits
+"""The post-grad pass that makes our cross-entropy backward write its gradient over donated logits,
+and our SwiGLU/GeGLU backward its gradients over donated gate and up
 (inductor_ext.inductor.donated_buffers), on backward graphs built as AOTAutograd hands them to
 Inductor's post-grad passes (the kernel route's launches only appear there on a GPU)."""
 
@@ -21,6 +22,7 @@ from inductor_ext.kernels.cross_entropy import (
     cross_entropy_bwd_kernel,
     cross_entropy_fwd_kernel,
 )
+from inductor_ext.kernels.glu import glu_bwd_kernel
 
 aten = torch.ops.aten
 
@@ -101,3 +103,101 @@ def test_forward_graph_left_alone():
     tangents = next(n for n in graph.nodes if n.name == "tangents_1")
     tangents.name = tangents.target = "primals_9"
     assert write_over_donated_inputs(graph, [0]) == 0
+
+
+def _glu_backward_graph(
+    *, packed: bool = False, read_up_after: bool = False, same_gate_and_up: bool = False, viewed: bool = False
+):
+    """gate, up (saved), dy, tangents -> the functional launch of the GLU backward kernel -> dgate, dup.
+
+    ``viewed``: the saved tensors are ``(2, 2, I)`` and the kernel reads ``(4, I)`` views of them (the op
+    flattens its inputs to rows); ``read_up_after`` then reads ``up`` through another view of it."""
+    graph = Graph()
+    gate = graph.placeholder("mm_1")
+    up = gate if same_gate_and_up else graph.placeholder("mm_2")
+    dy, _ = graph.placeholder("mm_3"), graph.placeholder("tangents_1")
+    shape = [4, 16] if packed else [4, 8]
+    for node in {gate, up}:
+        node.meta["val"] = torch.empty([2, 2, shape[1]] if viewed else shape, dtype=torch.bfloat16)
+    rows = {}
+    for node in {gate, up}:
+        rows[node] = node
+        if viewed:
+            rows[node] = graph.call_function(aten.view.default, (node, shape))
+            rows[node].meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
+    empties = {}
+    for name in ("DGATE",) if packed else ("DGATE", "DUP"):
+        empties[name] = graph.call_function(aten.empty.memory_format, (shape,), {"dtype": torch.bfloat16})
+        empties[name].meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
+    launch = graph.call_function(
+        triton_kernel_wrapper_functional,
+        kwargs={
+            "kernel_idx": kernel_side_table.add_kernel(glu_bwd_kernel),
+            "constant_args_idx": kernel_side_table.add_constant_args({"n_rows": 4, "n_cols": 8}),
+            "grid": [(4, 1, 1)],
+            "tma_descriptor_metadata": {},
+            "kwargs": {"DY": dy, "GATE": rows[gate], "UP": None if packed else rows[up], "DUP": None, **empties},
+            "tensors_to_clone": list(empties),
+        },
+    )
+    outputs = [graph.call_function(operator.getitem, (launch, name)) for name in empties]
+    if read_up_after:
+        flat = graph.call_function(aten.view.default, (up, [-1])) if viewed else up
+        outputs.append(graph.call_function(aten.sum.default, (flat,)))
+    graph.output(tuple(outputs))
+    return graph, rows[gate], rows[up]
+
+
+def _mutating_launch(graph: Graph):
+    (launch,) = graph.find_nodes(op="call_function", target=triton_kernel_wrapper_mutation)
+    assert not graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional)
+    return launch, kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
+
+
+@pytest.mark.parametrize("viewed", [False, True])
+def test_glu_gradients_are_written_over_donated_gate_and_up(viewed):
+    graph, gate, up = _glu_backward_graph(viewed=viewed)
+
+    assert write_over_donated_inputs(graph, [0, 1]) == 2
+
+    launch, kernel = _mutating_launch(graph)
+    assert kernel.fn is glu_bwd_kernel.fn and kernel.restore_value == ["DGATE", "DUP"]
+    arguments = launch.kwargs["kwargs"]
+    assert arguments["DGATE"] is gate and arguments["DUP"] is up
+    assert not graph.find_nodes(op="call_function", target=aten.empty.memory_format)
+    assert graph.output_node().args[0] == (gate, up)
+    graph.lint()
+
+
+@pytest.mark.parametrize("viewed", [False, True])
+def test_glu_up_read_after_keeps_its_own_gradient_buffer(viewed):
+    """Only the pair whose input is dead after the launch is written in place; the other output is
+    written straight into its fresh buffer."""
+    graph, gate, _ = _glu_backward_graph(read_up_after=True, viewed=viewed)
+
+    assert write_over_donated_inputs(graph, [0, 1]) == 1
+
+    launch, kernel = _mutating_launch(graph)
+    assert kernel.restore_value == ["DGATE"]
+    (dup,) = graph.find_nodes(op="call_function", target=aten.empty.memory_format)
+    assert launch.kwargs["kwargs"]["DGATE"] is gate and launch.kwargs["kwargs"]["DUP"] is dup
+    assert graph.output_node().args[0][:2] == (gate, dup)
+    graph.lint()
+
+
+def test_packed_glu_gradient_is_written_over_donated_gate_up():
+    graph, gate_up, _ = _glu_backward_graph(packed=True)
+
+    assert write_over_donated_inputs(graph, [0]) == 1
+
+    launch, _ = _mutating_launch(graph)
+    assert launch.kwargs["kwargs"]["DGATE"] is gate_up
+    assert graph.output_node().args[0] == (gate_up,)
+
+
+def test_glu_input_passed_twice_is_left_alone():
+    """gate and up the same tensor: writing both gradients over it would corrupt one of them."""
+    graph, _, _ = _glu_backward_graph(same_gate_and_up=True)
+    before = str(graph)
+    assert write_over_donated_inputs(graph, [0]) == 0
+    assert str(graph) == before
