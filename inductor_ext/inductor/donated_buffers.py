@@ -9,14 +9,17 @@ allocated, so the saved inputs and their gradients were alive together: on the H
 8192 x 2048 x 128256 (bf16), the backend's kernel route held 3.39 GiB above inputs and
 gradients against ``torch.compile``'s 1.96 (one 1.96 GiB logits tensor more). The SwiGLU/GeGLU
 backward is the same case: its ``dgate`` and ``dup`` (``2 N I`` elements) were allocated beside the
-saved ``gate`` and ``up`` at the first layer the backward reaches, where a training step's peak is.
+saved ``gate`` and ``up`` at the first layer the backward reaches, where a training step's peak is;
+so is the fused linear cross-entropy's backward, which scales the gradients its forward saved
+(``dweight``, ``V H`` elements, and ``dhidden``) by ``grad_output`` into new buffers, at the
+backward's start. Eager, those ops write in place themselves (the GLU when its caller allows it).
 
 For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph, each of its
 (input, output) pairs whose input is a donated graph input (or a view of one) read by nothing
 after the launch, through any view, and whose output is a fresh ``empty`` buffer of the same shape, strides and dtype, is written
-in place: the kernel's output argument points at the input (its autotuner, with the same
+in place: the kernel's output argument points at the input (an autotuner, with the same
 configs, restores those inputs after each timed config), and every use of the output reads the
-input instead. The launch's other outputs keep their fresh buffers (written directly: the
+input instead. The output may be a view of the fresh buffer (an op flattens its output to rows). The launch's other outputs keep their fresh buffers (written directly: the
 functional launch's clone of an empty buffer is dropped with it).
 It runs as part of the backend's ``post_grad_custom_post_pass``, after the post-grad graph's
 dead-code elimination: the in-place launch has no users, and fx does not count
@@ -38,7 +41,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 from torch.fx import Graph, Node
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel
+from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel, scale_rows_kernel
 from inductor_ext.kernels.glu import glu_bwd_kernel
 
 aten = torch.ops.aten
@@ -54,9 +57,10 @@ class InPlaceArguments(NamedTuple):
 IN_PLACE_VARIANTS: dict[Any, tuple[InPlaceArguments, ...]] = {
     cross_entropy_bwd_kernel.fn: (InPlaceArguments("LOGITS", "DLOGITS"),),
     glu_bwd_kernel.fn: (InPlaceArguments("GATE", "DGATE"), InPlaceArguments("UP", "DUP")),
+    scale_rows_kernel: (InPlaceArguments("X", "OUT"),),
 }
-"""Triton JIT function -> the argument pairs it may alias. Launches are traced through autotuners built
-around these functions (``ops._library.pruned_autotuner``), so the function identifies the kernel."""
+"""Triton JIT function -> the argument pairs it may alias. Autotuned kernels are traced through autotuners
+built around their functions (``ops._library.pruned_autotuner``), so the function identifies the kernel."""
 
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 
@@ -71,17 +75,21 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
     rewritten = 0
     for launch in list(graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional)):
         kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
-        variant = IN_PLACE_VARIANTS.get(getattr(kernel, "fn", kernel))
-        if variant is None or not isinstance(kernel, Autotuner) or kernel.restore_value:
-            continue  # not ours, a bare JIT function, or already writing in place
+        autotuned = isinstance(kernel, Autotuner)
+        variant = IN_PLACE_VARIANTS.get(kernel.fn if autotuned else kernel)
+        if variant is None or (autotuned and kernel.restore_value):
+            continue  # not ours, or already writing in place
         arguments = _kernel_arguments(launch)
-        written = {pair.output: arguments.get(pair.output) for pair in variant}
-        if not _writes_fresh_buffers(launch, written):
+        buffers = _fresh_buffers(
+            launch, {p.output: arguments[p.output] for p in variant if arguments.get(p.output) is not None}
+        )
+        if buffers is None:
             continue
         in_place = [
             pair
             for pair in variant
-            if _can_write_over(launch, arguments.get(pair.input), arguments.get(pair.output), donated, order)
+            if pair.output in buffers
+            and _can_write_over(launch, arguments.get(pair.input), arguments[pair.output], donated, order)
         ]
         if not in_place:
             continue
@@ -90,7 +98,10 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             graph.call_function(
                 triton_kernel_wrapper_mutation,
                 kwargs={
-                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, list(sources))),
+                    # an autotuner times its configs on the inputs it now overwrites: it restores them
+                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, list(sources)))
+                    if autotuned
+                    else launch.kwargs["kernel_idx"],
                     "constant_args_idx": launch.kwargs["constant_args_idx"],
                     "grid": launch.kwargs["grid"],
                     "tma_descriptor_metadata": launch.kwargs["tma_descriptor_metadata"],
@@ -102,7 +113,8 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             graph.erase_node(user)
         graph.erase_node(launch)
         for name in sources:
-            graph.erase_node(cast(Node, arguments[name]))
+            for node in buffers[name]:  # the argument, the views between, the allocation: now unused
+                graph.erase_node(node)
         rewritten += len(sources)
     return rewritten
 
@@ -114,21 +126,29 @@ def _restoring(kernel: Autotuner, outputs: list[str]) -> Autotuner:
     )
 
 
-def _writes_fresh_buffers(launch: Node, written: Mapping[str, Any]) -> bool:
-    """The launch writes (and its functional form clones) exactly the given outputs that are tensors, each
-    a fresh ``empty`` buffer only it uses, and its results are read only through ``getitem``."""
-    tensors = {name: node for name, node in written.items() if node is not None}
-    if set(cast(list[str], launch.kwargs.get("tensors_to_clone", []))) != set(tensors):
-        return False
+def _fresh_buffers(launch: Node, written: Mapping[str, Any]) -> dict[str, list[Node]] | None:
+    """For each output the launch writes: the nodes from its argument back to the fresh ``empty`` buffer it
+    views (the argument itself, views between, the allocation), each used only by the next; None unless
+    the launch writes (and its functional form clones) exactly these and its results are read only
+    through ``getitem``."""
+    if set(cast(list[str], launch.kwargs.get("tensors_to_clone", []))) != set(written):
+        return None
     if any(user.target is not operator.getitem for user in launch.users):
-        return False
-    return all(
-        isinstance(node, Node)
-        and node.op == "call_function"
-        and node.target in _ALLOCATIONS
-        and set(node.users) == {launch}
-        for node in tensors.values()
-    )
+        return None
+    buffers = {}
+    for name, node in written.items():
+        chain, user = [], launch
+        while isinstance(node, Node) and set(node.users) == {user}:
+            chain.append(node)
+            if node.op == "call_function" and node.target in _ALLOCATIONS:
+                buffers[name] = chain
+                break
+            if not _is_view(node):
+                return None
+            user, node = node, node.args[0]
+        else:
+            return None
+    return buffers
 
 
 def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], order: Mapping[Node, int]) -> bool:

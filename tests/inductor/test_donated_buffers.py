@@ -1,5 +1,6 @@
 """The post-grad pass that makes our cross-entropy backward write its gradient over donated logits,
-and our SwiGLU/GeGLU backward its gradients over donated gate and up
+our SwiGLU/GeGLU backward its gradients over donated gate and up, and the fused linear
+cross-entropy backward's scaling its result over the donated gradients it scales
 (inductor_ext.inductor.donated_buffers), on backward graphs built as AOTAutograd hands them to
 Inductor's post-grad passes (the kernel route's launches only appear there on a GPU)."""
 
@@ -21,6 +22,7 @@ from inductor_ext.kernels.cross_entropy import (
     cross_entropy_bwd_inplace_kernel,
     cross_entropy_bwd_kernel,
     cross_entropy_fwd_kernel,
+    scale_rows_kernel,
 )
 from inductor_ext.kernels.glu import glu_bwd_kernel
 
@@ -198,6 +200,62 @@ def test_packed_glu_gradient_is_written_over_donated_gate_up():
 def test_glu_input_passed_twice_is_left_alone():
     """gate and up the same tensor: writing both gradients over it would corrupt one of them."""
     graph, _, _ = _glu_backward_graph(same_gate_and_up=True)
+    before = str(graph)
+    assert write_over_donated_inputs(graph, [0]) == 0
+    assert str(graph) == before
+
+
+def _scale_graph(*, donated_is_output: bool = False):
+    """As the fused linear cross-entropy backward traces its scaling of the saved ``dweight``: the kernel
+    reads ``X`` and writes ``OUT`` through ``(1, -1)`` views of the saved tensor and of a fresh buffer,
+    and the result is read through views of the launch's ``OUT``."""
+    graph = Graph()
+    saved = graph.placeholder("getitem_61")
+    grad_output = graph.placeholder("tangents_1")
+    saved.meta["val"] = torch.empty(10, 8, dtype=torch.bfloat16)
+
+    def viewed(node, *shapes):
+        for shape in shapes:
+            node = graph.call_function(aten.view.default, (node, shape))
+            node.meta["val"] = torch.empty(shape if -1 not in shape else [1, 80], dtype=torch.bfloat16)
+        return node
+
+    x = viewed(saved, [1, -1], [1, -1])
+    empty = graph.call_function(aten.empty.memory_format, ([10, 8],), {"dtype": torch.bfloat16})
+    empty.meta["val"] = torch.empty(10, 8, dtype=torch.bfloat16)
+    out = viewed(empty, [1, -1], [1, -1])
+    launch = graph.call_function(
+        triton_kernel_wrapper_functional,
+        kwargs={
+            "kernel_idx": kernel_side_table.add_kernel(scale_rows_kernel),
+            "constant_args_idx": kernel_side_table.add_constant_args({"V": 80, "BLOCK_V": 128}),
+            "grid": [(1, 1, 1)],
+            "tma_descriptor_metadata": {},
+            "kwargs": {"X": x, "OUT": out, "SCALE": grad_output},
+            "tensors_to_clone": ["OUT"],
+        },
+    )
+    scaled = viewed(graph.call_function(operator.getitem, (launch, "OUT")), [1, 80], [10, 8])
+    graph.output((scaled, saved) if donated_is_output else (scaled,))
+    return graph, x, launch.kwargs["kernel_idx"]
+
+
+def test_scaled_gradient_is_written_over_the_donated_one_through_views():
+    graph, x, kernel_idx = _scale_graph()
+
+    assert write_over_donated_inputs(graph, [0]) == 1
+
+    launch, kernel = _mutating_launch(graph)
+    assert kernel is scale_rows_kernel and launch.kwargs["kernel_idx"] == kernel_idx  # no timing: no restore
+    assert launch.kwargs["kwargs"]["OUT"] is x and launch.kwargs["kwargs"]["X"] is x
+    assert not graph.find_nodes(op="call_function", target=aten.empty.memory_format)
+    (scaled,) = graph.output_node().args[0]
+    assert scaled.args[0].args[0] is x  # the result's views now view the donated gradient
+    graph.lint()
+
+
+def test_scaling_left_alone_when_the_saved_gradient_is_read_after():
+    graph, _, _ = _scale_graph(donated_is_output=True)
     before = str(graph)
     assert write_over_donated_inputs(graph, [0]) == 0
     assert str(graph) == before
