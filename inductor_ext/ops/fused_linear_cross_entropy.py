@@ -52,10 +52,11 @@ Memory beside the inputs, eager and compiled, for ``C`` rows per chunk and 16-bi
   (0.98 GiB) is the gradient a training step holds anyway. GPU peak not measured yet.
 
 The backward (``"mean"``/``"sum"``) scales the saved gradients by ``grad_output``. Plain eager
-with a graph that is not retained scales them in place (adding nothing to the above); traced
-(compiled, exported) or retained graphs write new tensors beside them, one more ``V H`` (and
-``N H`` where Inductor does not write over the donated ``dhidden``, as it does in the CPU graph):
-compiled, ``"weight_dtype"``'s peak is the backward's ``2 V H + N H``.
+with a graph that is not retained scales them in place (adding nothing to the above). Retained
+graphs write new tensors beside them (one more ``V H + N H``); so do traced (compiled, exported)
+ones, unless the compiled backward owns its saved inputs (AOTAutograd donates them): under
+``fastops_inductor`` the scaling then writes over them, Inductor's own kernel on the math route and
+ours by the backend's donated-buffer pass (``inductor/donated_buffers.py``) on the kernel route.
 
 For ``reduction="mean"``/``"sum"`` the forward computes the gradients (of the loss,
 for ``grad_output = 1``) and the backward scales them by ``grad_output``. With
