@@ -19,7 +19,8 @@ For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph, ea
 after the launch, through any view, and whose output is a fresh ``empty`` buffer of the same shape, strides and dtype, is written
 in place: the kernel's output argument points at the input (an autotuner, with the same
 configs, restores those inputs after each timed config), and every use of the output reads the
-input instead. The output may be a view of the fresh buffer (an op flattens its output to rows). The launch's other outputs keep their fresh buffers (written directly: the
+input instead. The output may be a view of the fresh buffer (an op flattens its output to rows).
+Each output so written counts in ``counters["inductor_ext"]["in_place_over_donated:<kernel>.<output>"]``. The launch's other outputs keep their fresh buffers (written directly: the
 functional launch's clone of an empty buffer is dropped with it).
 It runs as part of the backend's ``post_grad_custom_post_pass``, after the post-grad graph's
 dead-code elimination: the in-place launch has no users, and fx does not count
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import triton
+from torch._dynamo.utils import counters
 from torch._higher_order_ops.triton_kernel_wrap import (
     kernel_side_table,
     triton_kernel_wrapper_functional,
@@ -116,6 +118,9 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             for node in buffers[name]:  # the argument, the views between, the allocation: now unused
                 graph.erase_node(node)
         rewritten += len(sources)
+        jit = kernel.fn if autotuned else kernel
+        for name in sources:
+            counters["inductor_ext"][f"in_place_over_donated:{jit.__name__}.{name}"] += 1
     return rewritten
 
 

@@ -9,6 +9,7 @@ import operator
 import pytest
 import torch
 import triton
+from torch._dynamo.utils import counters
 from torch._higher_order_ops.triton_kernel_wrap import (
     kernel_side_table,
     triton_kernel_wrapper_functional,
@@ -160,8 +161,13 @@ def _mutating_launch(graph: Graph):
 def test_glu_gradients_are_written_over_donated_gate_and_up(viewed):
     graph, gate, up = _glu_backward_graph(viewed=viewed)
 
+    counters.clear()
     assert write_over_donated_inputs(graph, [0, 1]) == 2
 
+    assert dict(counters["inductor_ext"]) == {
+        "in_place_over_donated:glu_bwd_kernel.DGATE": 1,
+        "in_place_over_donated:glu_bwd_kernel.DUP": 1,
+    }
     launch, kernel = _mutating_launch(graph)
     assert kernel.fn is glu_bwd_kernel.fn and kernel.restore_value == ["DGATE", "DUP"]
     arguments = launch.kwargs["kwargs"]
