@@ -77,9 +77,10 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
     rewritten = 0
     for launch in list(graph.find_nodes(op="call_function", target=triton_kernel_wrapper_functional)):
         kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
-        autotuned = isinstance(kernel, Autotuner)
-        variant = IN_PLACE_VARIANTS.get(kernel.fn if autotuned else kernel)
-        if variant is None or (autotuned and kernel.restore_value):
+        tuner = kernel if isinstance(kernel, Autotuner) else None
+        jit: Any = kernel if tuner is None else tuner.fn
+        variant = IN_PLACE_VARIANTS.get(jit)
+        if variant is None or (tuner is not None and tuner.restore_value):
             continue  # not ours, or already writing in place
         arguments = _kernel_arguments(launch)
         buffers = _fresh_buffers(
@@ -101,9 +102,9 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
                 triton_kernel_wrapper_mutation,
                 kwargs={
                     # an autotuner times its configs on the inputs it now overwrites: it restores them
-                    "kernel_idx": kernel_side_table.add_kernel(_restoring(kernel, list(sources)))
-                    if autotuned
-                    else launch.kwargs["kernel_idx"],
+                    "kernel_idx": launch.kwargs["kernel_idx"]
+                    if tuner is None
+                    else kernel_side_table.add_kernel(_restoring(tuner, list(sources))),
                     "constant_args_idx": launch.kwargs["constant_args_idx"],
                     "grid": launch.kwargs["grid"],
                     "tma_descriptor_metadata": launch.kwargs["tma_descriptor_metadata"],
@@ -118,7 +119,6 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             for node in buffers[name]:  # the argument, the views between, the allocation: now unused
                 graph.erase_node(node)
         rewritten += len(sources)
-        jit = kernel.fn if autotuned else kernel
         for name in sources:
             counters["inductor_ext"][f"in_place_over_donated:{jit.__name__}.{name}"] += 1
     return rewritten
