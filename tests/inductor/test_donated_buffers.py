@@ -30,6 +30,28 @@ from inductor_ext.kernels.glu import glu_bwd_kernel
 aten = torch.ops.aten
 
 
+def _empty(graph: Graph, shape: list[int]):
+    """A fresh bf16 buffer, as an op body's allocation traces."""
+    node = graph.call_function(aten.empty.memory_format, (shape,), {"dtype": torch.bfloat16})
+    node.meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
+    return node
+
+
+def _functional_launch(graph: Graph, kernel, constants: dict, grid: tuple, kwargs: dict, writes: list[str]):
+    """The functional launch of ``kernel`` that writes (and so clones) ``writes``, as AOTAutograd traces it."""
+    return graph.call_function(
+        triton_kernel_wrapper_functional,
+        kwargs={
+            "kernel_idx": kernel_side_table.add_kernel(kernel),
+            "constant_args_idx": kernel_side_table.add_constant_args(constants),
+            "grid": [grid],
+            "tma_descriptor_metadata": {},
+            "kwargs": kwargs,
+            "tensors_to_clone": writes,
+        },
+    )
+
+
 def _backward_graph(*, read_after: bool = False, other_shape: bool = False, kernel=cross_entropy_bwd_kernel):
     """logits (saved), lse, labels, tangents -> the functional launch of the backward kernel -> dlogits."""
     graph = Graph()
@@ -37,19 +59,9 @@ def _backward_graph(*, read_after: bool = False, other_shape: bool = False, kern
     logits.meta["val"] = torch.empty(4, 8, dtype=torch.bfloat16)
     lse, labels, tangents = (graph.placeholder(n) for n in ("getitem_1", "primals_3", "tangents_1"))
     shape = [4, 9] if other_shape else [4, 8]
-    empty = graph.call_function(aten.empty.memory_format, (shape,), {"dtype": torch.bfloat16})
-    empty.meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
-    launch = graph.call_function(
-        triton_kernel_wrapper_functional,
-        kwargs={
-            "kernel_idx": kernel_side_table.add_kernel(kernel),
-            "constant_args_idx": kernel_side_table.add_constant_args({"V": 8}),
-            "grid": [(4, 1, 1)],
-            "tma_descriptor_metadata": {},
-            "kwargs": {"LOGITS": logits, "DLOGITS": empty, "LSE": lse, "LABELS": labels, "GRAD_SCALE": tangents},
-            "tensors_to_clone": ["DLOGITS"],
-        },
-    )
+    empty = _empty(graph, shape)
+    arguments = {"LOGITS": logits, "DLOGITS": empty, "LSE": lse, "LABELS": labels, "GRAD_SCALE": tangents}
+    launch = _functional_launch(graph, kernel, {"V": 8}, (4, 1, 1), arguments, ["DLOGITS"])
     dlogits = graph.call_function(operator.getitem, (launch, "DLOGITS"))
     outputs = [dlogits]
     if read_after:
@@ -128,21 +140,9 @@ def _glu_backward_graph(
         if viewed:
             rows[node] = graph.call_function(aten.view.default, (node, shape))
             rows[node].meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
-    empties = {}
-    for name in ("DGATE",) if packed else ("DGATE", "DUP"):
-        empties[name] = graph.call_function(aten.empty.memory_format, (shape,), {"dtype": torch.bfloat16})
-        empties[name].meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
-    launch = graph.call_function(
-        triton_kernel_wrapper_functional,
-        kwargs={
-            "kernel_idx": kernel_side_table.add_kernel(glu_bwd_kernel),
-            "constant_args_idx": kernel_side_table.add_constant_args({"n_rows": 4, "n_cols": 8}),
-            "grid": [(4, 1, 1)],
-            "tma_descriptor_metadata": {},
-            "kwargs": {"DY": dy, "GATE": rows[gate], "UP": None if packed else rows[up], "DUP": None, **empties},
-            "tensors_to_clone": list(empties),
-        },
-    )
+    empties = {name: _empty(graph, shape) for name in (("DGATE",) if packed else ("DGATE", "DUP"))}
+    arguments = {"DY": dy, "GATE": rows[gate], "UP": None if packed else rows[up], "DUP": None, **empties}
+    launch = _functional_launch(graph, glu_bwd_kernel, {"n_rows": 4, "n_cols": 8}, (4, 1, 1), arguments, list(empties))
     outputs = [graph.call_function(operator.getitem, (launch, name)) for name in empties]
     if read_up_after:
         flat = graph.call_function(aten.view.default, (up, [-1])) if viewed else up
@@ -227,20 +227,9 @@ def _scale_graph(*, donated_is_output: bool = False):
         return node
 
     x = viewed(saved, [1, -1], [1, -1])
-    empty = graph.call_function(aten.empty.memory_format, ([10, 8],), {"dtype": torch.bfloat16})
-    empty.meta["val"] = torch.empty(10, 8, dtype=torch.bfloat16)
-    out = viewed(empty, [1, -1], [1, -1])
-    launch = graph.call_function(
-        triton_kernel_wrapper_functional,
-        kwargs={
-            "kernel_idx": kernel_side_table.add_kernel(scale_rows_kernel),
-            "constant_args_idx": kernel_side_table.add_constant_args({"V": 80, "BLOCK_V": 128}),
-            "grid": [(1, 1, 1)],
-            "tma_descriptor_metadata": {},
-            "kwargs": {"X": x, "OUT": out, "SCALE": grad_output},
-            "tensors_to_clone": ["OUT"],
-        },
-    )
+    out = viewed(_empty(graph, [10, 8]), [1, -1], [1, -1])
+    arguments = {"X": x, "OUT": out, "SCALE": grad_output}
+    launch = _functional_launch(graph, scale_rows_kernel, {"V": 80, "BLOCK_V": 128}, (1, 1, 1), arguments, ["OUT"])
     scaled = viewed(graph.call_function(operator.getitem, (launch, "OUT")), [1, 80], [10, 8])
     graph.output((scaled, saved) if donated_is_output else (scaled,))
     return graph, x, launch.kwargs["kernel_idx"]
