@@ -15,13 +15,14 @@ so is the fused linear cross-entropy's backward, which scales the gradients its 
 backward's start. Eager, those ops write in place themselves (the GLU when its caller allows it).
 
 For each launch of a kernel in :data:`IN_PLACE_VARIANTS` in a backward graph, each of its
-(input, output) pairs whose input is a donated graph input (or a view of one) read by nothing
-after the launch, through any view, and whose output is a fresh ``empty`` buffer of the same shape, strides and dtype, is written
-in place: the kernel's output argument points at the input (an autotuner, with the same
-configs, restores those inputs after each timed config), and every use of the output reads the
-input instead. The output may be a view of the fresh buffer (an op flattens its output to rows).
-Each output so written counts in ``counters["inductor_ext"]["in_place_over_donated:<kernel>.<output>"]``. The launch's other outputs keep their fresh buffers (written directly: the
-functional launch's clone of an empty buffer is dropped with it).
+(input, output) pairs whose input is a donated graph input (or a view of one) that nothing reads
+after the launch, through any view, and whose output is a fresh ``empty`` buffer (or a view of
+one: an op flattens its output to rows) of the same shape, strides and dtype, is written in place:
+the kernel's output argument points at the input (an autotuner, with the same configs, restores
+those inputs after each timed config), and every use of the output reads the input instead. The
+launch's other outputs keep their fresh buffers, written directly (the functional launch's clone
+of an empty buffer goes with it). Each output so written counts in
+``counters["inductor_ext"]["in_place_over_donated:<kernel>.<output>"]``.
 It runs as part of the backend's ``post_grad_custom_post_pass``, after the post-grad graph's
 dead-code elimination: the in-place launch has no users, and fx does not count
 ``triton_kernel_wrapper_mutation`` as a side effect (torch 2.13), so a later
@@ -98,7 +99,7 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
             continue
         sources = {pair.output: arguments[pair.input] for pair in in_place}
         with graph.inserting_before(launch):
-            graph.call_function(
+            in_place_launch = graph.call_function(
                 triton_kernel_wrapper_mutation,
                 kwargs={
                     # an autotuner times its configs on the inputs it now overwrites: it restores them
@@ -110,7 +111,9 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
                     "tma_descriptor_metadata": launch.kwargs["tma_descriptor_metadata"],
                     "kwargs": {**arguments, **sources},
                 },
-            ).meta["val"] = None
+            )
+        in_place_launch.meta["val"] = None
+        order[in_place_launch] = order[launch]
         for user in list(launch.users):  # getitem(launch, name): the outputs it cloned
             user.replace_all_uses_with(sources.get(user.args[1], arguments[user.args[1]]))
             graph.erase_node(user)
@@ -163,7 +166,7 @@ def _can_write_over(launch: Node, source: Any, output: Any, donated: set[Node], 
         return False
     aliases = _aliases(_view_base(source))
     arguments = list(_kernel_arguments(launch).values())
-    if arguments.count(source) != 1 or any(a in aliases for a in arguments if a is not source):
+    if arguments.count(source) != 1 or any(isinstance(a, Node) and a in aliases for a in arguments if a is not source):
         return False  # also another argument of the kernel (read or written elsewhere)
     if any(order[user] > order[launch] for node in aliases for user in node.users if user not in aliases):
         return False  # read after the launch: its values are still needed
