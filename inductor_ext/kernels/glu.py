@@ -190,3 +190,11 @@ def glu_bwd_kernel(
     act, dact = _activation_and_derivative(a, ACTIVATION)
     tl.store(dgate_row + cols, (dy * b * dact).to(DGATE.dtype.element_ty), mask=mask)
     tl.store(dup_row + cols, (dy * act).to(DGATE.dtype.element_ty), mask=mask)
+
+
+glu_bwd_inplace_kernel = triton.autotune(**_AUTOTUNE, restore_value=["GATE", "UP"])(glu_bwd_kernel.fn)
+""":func:`glu_bwd_kernel` writing ``DGATE``/``DUP`` over ``GATE``/``UP``: the autotuner restores them after
+each timed config (else the first, tuning launch computes from gradients written by the configs it timed)."""
+
+glu_packed_bwd_inplace_kernel = triton.autotune(**_AUTOTUNE, restore_value=["GATE"])(glu_bwd_kernel.fn)
+"""The packed form of :data:`glu_bwd_inplace_kernel` (``UP`` is unused)."""

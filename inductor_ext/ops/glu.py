@@ -22,7 +22,13 @@ import torch
 import triton
 from torch import Tensor
 
-from inductor_ext.kernels.glu import ACTIVATIONS, glu_bwd_kernel, glu_fwd_kernel
+from inductor_ext.kernels.glu import (
+    ACTIVATIONS,
+    glu_bwd_inplace_kernel,
+    glu_bwd_kernel,
+    glu_fwd_kernel,
+    glu_packed_bwd_inplace_kernel,
+)
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._library import (
     DirectLaunch,
@@ -119,8 +125,9 @@ def _glu_bwd_into(
     (each element is read before its gradient is stored over it)."""
     M, I = gate.shape
     flat = _is_flat(I, dy, gate, up, dgate, dup)
+    kernel = glu_bwd_inplace_kernel if dgate is gate else glu_bwd_kernel
     _launch(
-        launch, glu_bwd_kernel, (M, I), activation,
+        launch, kernel, (M, I), activation,
         dy, gate, up, dgate, dup, M, I, dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
         flat=flat, packed=False,
     )  # fmt: skip
@@ -147,7 +154,7 @@ def _glu_packed_bwd_into(launch: Launch, dy: Tensor, gate_up: Tensor, activation
     """The packed backward kernel writing into ``dgate_up``, which may be ``gate_up`` itself."""
     M, I = dy.shape
     _launch(
-        launch, glu_bwd_kernel, (M, I), activation,
+        launch, glu_packed_bwd_inplace_kernel if dgate_up is gate_up else glu_bwd_kernel, (M, I), activation,
         dy, gate_up, None, dgate_up, None,
         M, I, dy.stride(0), gate_up.stride(0), gate_up.stride(0), dgate_up.stride(0), dgate_up.stride(0),
         flat=False, packed=True,

@@ -213,20 +213,30 @@ def _activations(x: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
-def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed):
+def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed, monkeypatch):
     """``overwrite_inputs_in_backward``: the eager backward's input gradients are the inputs' own
-    buffers, with the values of the ordinary backward."""
+    buffers, with the values of the ordinary backward, from the first call on: the launch that tunes
+    the kernel (on a GPU it times every config, each writing over the inputs) restores them."""
+    from inductor_ext.ops._library import DirectLaunch, record_autotuned_launches
+
     f = (lambda g: swiglu_packed(g, overwrite_inputs_in_backward=True)) if packed else (
         lambda g, u: swiglu(g, u, overwrite_inputs_in_backward=True))  # fmt: skip
     plain = swiglu_packed if packed else swiglu
     dy = torch.randn(5, 48, device=DEVICE)
     x = torch.randn(5, 96 if packed else 48, device=DEVICE)
-    inputs = _activations(x, packed)
-    expected = torch.autograd.grad(plain(*inputs), inputs, dy)
+    monkeypatch.setattr(DirectLaunch, "_tuned", {})  # nothing tuned yet: the overwriting launch tunes
     inputs = _activations(x, packed)
     pointers = [t.data_ptr() for t in inputs]
-    grads = torch.autograd.grad(f(*inputs), inputs, dy)
+    with record_autotuned_launches() as launches:
+        grads = torch.autograd.grad(f(*inputs), inputs, dy)
     assert [g.data_ptr() for g in grads] == pointers
+    # the backward's launch: its DGATE (argument 3) is the gate's own buffer
+    (backward,) = [
+        k for k, args, _ in launches if isinstance(args[3], torch.Tensor) and args[3].data_ptr() == pointers[0]
+    ]
+    assert set(backward.restore_value) >= ({"GATE"} if packed else {"GATE", "UP"})
+    inputs = _activations(x, packed)
+    expected = torch.autograd.grad(plain(*inputs), inputs, dy)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
