@@ -121,9 +121,8 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
         for name in sources:
             for node in buffers[name]:  # the argument, the views between, the allocation: now unused
                 graph.erase_node(node)
-        rewritten += len(sources)
-        for name in sources:
             counters["inductor_ext"][f"in_place_over_donated:{jit.__name__}.{name}"] += 1
+        rewritten += len(sources)
     return rewritten
 
 

@@ -77,5 +77,4 @@ def test_backward_writes_over_donated_activations_and_gradients(monkeypatch):
     for mine, theirs, truth in zip(ours, eager, reference, strict=True):
         assert rel_err(mine, truth) <= 1.5 * rel_err(theirs, truth) + 1e-3
     # the buffers no longer allocated: the scaled dweight and dhidden (V H + N H), dgate and dup (2 N I), bf16
-    print("backward allocations, MiB:", allocated / 2**20, "without the pass:", allocated_without / 2**20)
     assert allocated_without - allocated >= 0.9 * 2 * (V * H + N * H + 2 * N * I)
