@@ -1,5 +1,7 @@
 """Checks shared by the GPU tests of compiled graphs (tests/gpu/test_*_gpu.py)."""
 
+import tempfile
+
 import torch
 
 
@@ -42,11 +44,18 @@ def compile_with_cpp_wrapper_counting_tuning(monkeypatch, fn, args, kernel_name)
     Asserts that the generated code launches ``kernel_name``, that the kernel was
     tuned while compiling, and that running the compiled C++ wrapper tunes nothing.
     Returns the outputs of the first and the second call.
+
+    Inductor's cache (where its autotuner keeps each kernel's best config) and the tuning database
+    start empty: a config found in either would skip the compile-time tuning this checks.
     """
+    from torch._inductor.utils import fresh_cache
+
     tuned = record_benchmarked_kernels(monkeypatch)
     compiled = torch.compile(fn, fullgraph=True)
     torch._dynamo.reset()
-    with torch._inductor.config.patch({"cpp_wrapper": True, "triton.autotune_at_compile_time": True}):
+    config = {"cpp_wrapper": True, "triton.autotune_at_compile_time": True}
+    with tempfile.TemporaryDirectory() as database, fresh_cache(), torch._inductor.config.patch(config):
+        monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", database)
         first, code = run_and_get_joined_code(compiled, *args)
         assert kernel_name in code
         assert any(kernel_name in name for name in tuned), tuned  # tuned while compiling
