@@ -34,6 +34,7 @@ from inductor_ext.ops import (
     swiglu,
     swiglu_packed,
     swiglu_ref,
+    vocab_parallel_cross_entropy,
 )
 from inductor_ext.version import __version__
 
@@ -70,4 +71,5 @@ __all__ = [
     "swiglu",
     "swiglu_packed",
     "swiglu_ref",
+    "vocab_parallel_cross_entropy",
 ]
