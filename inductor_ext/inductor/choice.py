@@ -34,6 +34,7 @@ from inductor_ext.ops._library import (
     DirectLaunch,
     OpFamily,
 )
+from inductor_ext.tuning.agreement import agreed
 from inductor_ext.tuning.database import TuningDatabase
 from inductor_ext.tuning.inputs import random_inputs
 from inductor_ext.tuning.kernel_configs import records as kernel_records
@@ -49,7 +50,8 @@ class RouteDecision:
     route: str
     """``"kernel"`` or ``"inductor"``."""
     reason: str
-    """``"cpu"``, ``"measured"`` or ``"database"``."""
+    """``"cpu"``, ``"measured"``, ``"database"`` or ``"rank N"`` (another rank decided it:
+    :func:`inductor_ext.tuning.agreement.agreed`)."""
     kernel_ms: float | None = None
     inductor_ms: float | None = None
     kernel_spread_ms: float | None = None
@@ -142,18 +144,46 @@ def decide_routes(
     Inductor that config alone). The backend and the standalone autotuner
     (``python -m inductor_ext.autotune``) both decide through here. A family without kernels of
     its own has no decisions (its ops always trace their math).
+
+    Under ``torch.distributed`` every rank takes the same decisions: the first rank to need them
+    decides as above and the others read its answer (:func:`inductor_ext.tuning.agreement.agreed`;
+    reason ``"rank N"``), storing it, and the configs its timing picked, in their own database.
     """
     if not family.has_kernels:
         return []  # its math is its only implementation: nothing to time or store
     key = route_key(family.fwd._name, signature(args), device_name(device))
+    answer, decider = agreed(key, lambda: _decide_here(key, family, args, options, database, device))
+    decisions = [RouteDecision(**entry) for entry in answer["decisions"]]
+    if decider is None or decider == torch.distributed.get_rank():
+        return decisions
+    log.info("fastops_inductor: %s decided by rank %d", key, decider)
+    if database is not None:  # the decision, and the kernel configs its timing picked, for later compiles here
+        database.update({key: {"decisions": answer["decisions"]}, **answer["configs"]})
+    return [dataclasses.replace(d, reason=f"rank {decider}") for d in decisions]
+
+
+def _decide_here(
+    key: str,
+    family: OpFamily,
+    args: Sequence[Any],
+    options: BackendOptions,
+    database: TuningDatabase | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """This process's decisions for ``key`` (from ``database``, or measured and stored there) and
+    the kernel configs a measurement picked, as JSON for the other ranks
+    (:func:`inductor_ext.tuning.agreement.agreed`)."""
     stored = database.get(key) if database is not None else None
     if stored is not None:
-        return [dataclasses.replace(RouteDecision(**entry), reason="database") for entry in stored["decisions"]]
+        decisions = [dataclasses.replace(RouteDecision(**entry), reason="database") for entry in stored["decisions"]]
+        return {"decisions": [dataclasses.asdict(d) for d in decisions], "configs": {}}
     decisions = measure_routes(family, args, options, device)
-    if database is not None:  # with every kernel config picked so far in this process (the timing's included)
-        configs = kernel_records(DirectLaunch._tuned, device_name(device))
-        database.update({key: {"decisions": [dataclasses.asdict(d) for d in decisions]}, **configs})
-    return decisions
+    # every kernel config picked so far in this process (the timing's included)
+    configs = kernel_records(DirectLaunch._tuned, device_name(device))
+    entries = [dataclasses.asdict(d) for d in decisions]
+    if database is not None:
+        database.update({key: {"decisions": entries}, **configs})
+    return {"decisions": entries, "configs": configs}
 
 
 def measure_routes(
