@@ -35,6 +35,7 @@ from inductor_ext.ops import (
     swiglu_packed,
     swiglu_ref,
     vocab_parallel_cross_entropy,
+    vocab_parallel_fused_linear_cross_entropy,
 )
 from inductor_ext.version import __version__
 
@@ -72,4 +73,5 @@ __all__ = [
     "swiglu_packed",
     "swiglu_ref",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy",
 ]

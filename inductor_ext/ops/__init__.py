@@ -30,12 +30,13 @@ from inductor_ext.ops.rope import (
     apply_rotary_pos_emb_ref,
 )
 from inductor_ext.ops.sharding import register as _register_sharding
-from inductor_ext.ops.vocab_parallel import vocab_parallel_cross_entropy
+from inductor_ext.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 
 _register_sharding()
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "vocab_parallel_cross_entropy"]
+__all__ += ["vocab_parallel_fused_linear_cross_entropy"]
 __all__ += ["fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["layer_norm", "layer_norm_ref"]
 __all__ += ["geglu", "geglu_packed", "geglu_ref", "swiglu", "swiglu_packed", "swiglu_ref"]

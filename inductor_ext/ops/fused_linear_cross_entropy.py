@@ -211,7 +211,7 @@ def _accumulate_weight_grad(acc: Tensor | None, dlogits: Tensor, hidden: Tensor,
     return acc
 
 
-def _chunked_loss_and_grads(
+def chunked_loss_and_grads(
     chunk_loss: ChunkLoss,
     hidden: Tensor,
     weight: Tensor,
@@ -279,7 +279,9 @@ def _chunked_loss_and_grads(
     dw = weight.new_empty((0,))
     if need_dw:
         dw = weight.new_zeros(weight.shape) if dw_acc is None else dw_acc.to(weight.dtype)  # "weight_dtype": itself
-    del dw_acc  # eager: frees the fp32 accumulator before dhidden's concatenation allocates
+    # eager: frees the fp32 accumulator before dhidden's concatenation allocates (rebound, not
+    # deleted: Dynamo, tracing the vocab-parallel loss's loop, has no `del` of a closure cell)
+    dw_acc = None
     dx = hidden.new_empty((0,))
     if need_dx:
         dx = dx_chunks[0] if len(dx_chunks) == 1 else torch.cat(dx_chunks)
@@ -306,7 +308,7 @@ def _forward(chunk_loss: ChunkLoss, args: tuple[Any, ...]) -> tuple[Tensor, Tens
     count, grad_scale = count_and_grad_scale(labels, options[0], reduction)
     if reduction == "none":  # gradients come from the backward, which knows each row's grad_output
         grads = (False, False, False)
-    row_loss, dx, dw, db = _chunked_loss_and_grads(
+    row_loss, dx, dw, db = chunked_loss_and_grads(
         chunk_loss, hidden, weight, labels, bias, options, chunk_size, accumulation, grad_scale, grads
     )
     return reduce_loss(row_loss, count, reduction), dx, dw, db
@@ -347,7 +349,7 @@ def _backward_impl(
     grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, *rest = args
     options, reduction, chunk_size, accumulation, grads = _split_options(rest)
     if reduction == "none":
-        _loss, dx, dw, db = _chunked_loss_and_grads(
+        _loss, dx, dw, db = chunked_loss_and_grads(
             chunk_loss, hidden, weight, labels, bias, options, chunk_size, accumulation, grad_output, grads
         )
         return dx, dw, db

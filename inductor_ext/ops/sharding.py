@@ -20,8 +20,8 @@ is imported. Every rule is checked against the unsharded op on a 2-rank gloo mes
   divides by the number of non-ignored labels of all ranks, which a local op cannot know: its
   only rule is all-replicated. No rule shards the vocabulary: a vocab-sharded softmax needs a
   cross-shard max and sum, which one op strategy cannot express; vocab-sharded logits are
-  redistributed to a listed placement here, and :func:`inductor_ext.ops.vocab_parallel.vocab_parallel_cross_entropy`
-  computes the loss on them in place, with explicit collectives (as ``loss_parallel`` does).
+  redistributed to a listed placement here, and :mod:`inductor_ext.ops.vocab_parallel` computes
+  both losses on them where they are, with explicit collectives (as ``loss_parallel`` does).
 
 Everything replicated is always allowed. The in-place ops (``rope_inplace``,
 ``cross_entropy_bwd_inplace``, ``accumulate_matmul_``) and the LoRA ops have no rules.

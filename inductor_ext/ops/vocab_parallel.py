@@ -1,6 +1,7 @@
-"""Vocab-parallel cross-entropy: :func:`vocab_parallel_cross_entropy`, for logits sharded on the
-vocabulary over a 1-D device mesh (what ``torch.distributed.tensor.parallel.loss_parallel`` does
-for ``F.cross_entropy``), on the cross-entropy kernels.
+"""Vocab-parallel losses: :func:`vocab_parallel_cross_entropy`, for logits sharded on the vocabulary
+over a 1-D device mesh (what ``torch.distributed.tensor.parallel.loss_parallel`` does for
+``F.cross_entropy``), and :func:`vocab_parallel_fused_linear_cross_entropy`, for an LM head whose
+weight rows are sharded so, on the cross-entropy kernels.
 
 Rank ``r`` holds the columns ``[o_r, o_r + V_r)`` of every row (DTensor's ``Shard`` layout: the
 vocabulary split as ``torch.chunk`` splits it). Forward, for a row with label ``y``::
@@ -19,9 +20,15 @@ caps its own columns. The backward makes no collective: each rank writes its col
 with the backward kernel, given the global ``lse`` and the label in local columns (a label another
 rank holds matches no local column), ``g`` the row's loss gradient. Each rank reads its logits
 twice and writes its gradient once, as the unsharded op does; the collectives carry ``3 N`` floats.
+
+The fused linear version runs the chunk loop of :mod:`inductor_ext.ops.fused_linear_cross_entropy`
+on the rank's weight rows ``W_r`` (``V_r x H``) with the loss above per chunk of rows, the gradient
+written over the chunk's logits; ``dweight_r`` accumulates locally (no collective), and
+``dhidden = sum_r dlogits_r @ W_r`` takes one all-reduce of ``N x H`` fp32 after the loop. Its
+``(N, V)`` logits exist neither whole nor on one rank: each rank holds one chunk of its columns.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +38,15 @@ from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels_in_range,
     check_loss_options,
+    count_and_grad_scale,
     reduce_loss,
+)
+from inductor_ext.ops.fused_linear_cross_entropy import (
+    WEIGHT_GRAD_ACCUMULATIONS,
+    CeOptions,
+    ChunkLoss,
+    chunked_loss_and_grads,
+    resolve_chunk_size,
 )
 
 LOCAL_IGNORE_INDEX = -1
@@ -39,49 +54,64 @@ LOCAL_IGNORE_INDEX = -1
 ``ignore_index`` (which may be a valid local column) cannot be mistaken for a class."""
 
 
+class VocabShard(NamedTuple):
+    """This rank's columns of the vocabulary: ``[offset, offset + V_r)`` of ``num_classes``."""
+
+    offset: int
+    num_classes: int
+    mesh: Any
+    """The 1-D device mesh the vocabulary is sharded over."""
+
+
 def _capped_fp32(x: Tensor, softcap: float) -> Tensor:
     x = x.float()
     return softcap * torch.tanh(x / softcap) if softcap > 0 else x
 
 
+def _global_row_loss(
+    logits: Tensor, labels: Tensor, shard: VocabShard, ignore_index: int, lse_square_scale: float, softcap: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(local labels, global lse, row losses) of one rank's ``(N, V_r)`` logits: the module's forward."""
+    from torch.distributed import _functional_collectives as funcol
+
+    local_classes = logits.shape[1]
+    ignored = labels == ignore_index
+    held = (labels >= shard.offset) & (labels < shard.offset + local_classes) & ~ignored
+    # a class another rank holds: local column V_r, which matches no column
+    local_labels = torch.where(held, labels - shard.offset, local_classes)
+    local_labels = torch.where(ignored, LOCAL_IGNORE_INDEX, local_labels)
+    _, lse_local = torch.ops.fastops.cross_entropy_fwd(
+        logits, local_labels, LOCAL_IGNORE_INDEX, 0.0, 0.0, softcap, "none"
+    )
+    z_y = _capped_fp32(logits.gather(1, torch.where(held, local_labels, 0).long().unsqueeze(1)).squeeze(1), softcap)
+    z_y = torch.where(held, z_y, 0.0)
+    row_max = funcol.all_reduce(lse_local, "max", shard.mesh)
+    sums = funcol.all_reduce(torch.stack([torch.exp(lse_local - row_max), z_y]), "sum", shard.mesh)
+    lse = row_max + torch.log(sums[0])
+    row_loss = lse - sums[1] + lse_square_scale * lse * lse
+    in_range = (labels >= 0) & (labels < shard.num_classes)
+    row_loss = torch.where(ignored, 0.0, torch.where(in_range, row_loss, float("nan")))
+    return local_labels, lse, row_loss
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """On one rank's ``(N, V_r)`` logits (columns from ``offset``) and the ``(N,)`` labels of all ranks."""
+    """On one rank's ``(N, V_r)`` logits and the ``(N,)`` labels of all ranks."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         logits: Tensor,
         labels: Tensor,
-        offset: int,
-        num_classes: int,
-        mesh: Any,
+        shard: VocabShard,
         ignore_index: int,
         reduction: str,
         lse_square_scale: float,
         softcap: float,
     ) -> Tensor:
-        from torch.distributed import _functional_collectives as funcol
-
-        local_classes = logits.shape[1]
-        ignored = labels == ignore_index
-        held = (labels >= offset) & (labels < offset + local_classes) & ~ignored
-        # a class another rank holds: local column V_r, which matches no column
-        local_labels = torch.where(held, labels - offset, local_classes)
-        local_labels = torch.where(ignored, LOCAL_IGNORE_INDEX, local_labels)
-        _, lse_local = torch.ops.fastops.cross_entropy_fwd(
-            logits, local_labels, LOCAL_IGNORE_INDEX, 0.0, 0.0, softcap, "none"
-        )
-        z_y = _capped_fp32(logits.gather(1, torch.where(held, local_labels, 0).long().unsqueeze(1)).squeeze(1), softcap)
-        z_y = torch.where(held, z_y, 0.0)
-        row_max = funcol.all_reduce(lse_local, "max", mesh)
-        sums = funcol.all_reduce(torch.stack([torch.exp(lse_local - row_max), z_y]), "sum", mesh)
-        lse = row_max + torch.log(sums[0])
-        row_loss = lse - sums[1] + lse_square_scale * lse * lse
-        in_range = (labels >= 0) & (labels < num_classes)
-        row_loss = torch.where(ignored, 0.0, torch.where(in_range, row_loss, float("nan")))
+        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
         ctx.save_for_backward(logits, local_labels, lse)
         ctx.options = (lse_square_scale, softcap, reduction)
-        return reduce_loss(row_loss, (~ignored).sum(), reduction)
+        return reduce_loss(row_loss, (labels != ignore_index).sum(), reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -90,57 +120,122 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dlogits = torch.ops.fastops.cross_entropy_bwd(
             grad_output, logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, reduction
         )
-        return dlogits, None, None, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None
 
 
-def _check_inputs(logits: Any, labels: Any) -> tuple[Any, Tensor]:
-    """The mesh and the local labels; raises on what the vocab-parallel loss does not take."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _chunk_loss(shard: VocabShard) -> ChunkLoss:
+    """The fused linear loop's per-chunk loss on one rank's columns: global row losses, and the
+    gradient of the rank's columns written over the chunk's logits."""
 
-    op = "vocab_parallel_cross_entropy"
-    if not isinstance(logits, DTensor):
-        raise TypeError(
-            f"{op}: logits must be a DTensor sharded on its last (vocabulary) dim, got {type(logits).__name__}"
+    def chunk_loss(
+        logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        ignore_index, _smoothing, lse_square_scale, softcap = options
+        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
+        if not compute_grad:
+            return row_loss, None
+        rows = labels.shape[0]
+        scale = torch.ones(rows, device=logits.device) if grad_scale is None else grad_scale.float().expand(rows)
+        torch.ops.fastops.cross_entropy_bwd_inplace(
+            scale.contiguous(), logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, "none"
         )
-    if logits.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    if logits.dim() < 2:
-        raise ValueError(f"{op}: logits must be (..., V) with at least one row dim, got shape {tuple(logits.shape)}")
-    mesh = logits.device_mesh
-    if mesh.ndim != 1 or logits.placements[0] not in (Shard(logits.dim() - 1), Shard(-1)):
+        return row_loss, logits
+
+    return chunk_loss
+
+
+class _VocabParallelFusedLinearCrossEntropy(torch.autograd.Function):
+    """On the ``(N, H)`` hidden states (the same on every rank), one rank's ``(V_r, H)`` weight rows
+    and the ``(N,)`` labels; ``"mean"`` or ``"sum"``: the forward computes the gradients, the
+    backward scales them."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        shard: VocabShard,
+        options: CeOptions,
+        reduction: str,
+        chunk_size: int,
+        weight_grad_accumulation: str,
+    ) -> Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        count, grad_scale = count_and_grad_scale(labels, options[0], reduction)
+        grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
+        row_loss, dhidden, dweight, _ = chunked_loss_and_grads(
+            _chunk_loss(shard), hidden, weight, labels, None, options, chunk_size, weight_grad_accumulation,
+            grad_scale, grads,
+        )  # fmt: skip
+        if grads[0]:  # each rank's columns' share, summed in fp32 and rounded once more
+            dhidden = funcol.all_reduce(dhidden.float(), "sum", shard.mesh).to(hidden.dtype)
+        ctx.save_for_backward(dhidden, dweight)
+        return reduce_loss(row_loss, count, reduction)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        dhidden, dweight = ctx.saved_tensors
+        scale = grad_output.float()
+        dh = (dhidden * scale).to(dhidden.dtype) if ctx.needs_input_grad[0] else None
+        dw = (dweight * scale).to(dweight.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None, None, None
+
+
+def _vocab_mesh(op: str, tensor: Any, dim: int, what: str) -> Any:
+    """The 1-D mesh ``tensor`` (a DTensor) is sharded over on ``dim``; raises otherwise."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"{op}: {what} must be a DTensor sharded on the vocabulary, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: {what} must be float32, bfloat16 or float16, got {tensor.dtype}")
+    if tensor.dim() < 2:
+        raise ValueError(f"{op}: {what} must have at least 2 dims, got shape {tuple(tensor.shape)}")
+    mesh, dim = tensor.device_mesh, dim % tensor.dim()
+    if mesh.ndim != 1 or tensor.placements[0] not in (Shard(dim), Shard(dim - tensor.dim())):
         raise ValueError(
-            f"{op}: logits must be sharded on their last dim over a 1-D mesh (placements (Shard({logits.dim() - 1}),)), "
-            f"got a {mesh.ndim}-D mesh with placements {logits.placements}"
+            f"{op}: {what} must be sharded on dim {dim} (the vocabulary) over a 1-D mesh (placements "
+            f"(Shard({dim}),)), got a {mesh.ndim}-D mesh with placements {tensor.placements}"
         )
-    if isinstance(labels, DTensor):
-        if labels.device_mesh != mesh or any(p != Replicate() for p in labels.placements):
-            raise ValueError(
-                f"{op}: labels must be a Tensor or a DTensor replicated on logits' mesh, got {labels.placements}"
-            )
-        labels = labels.to_local()
+    return mesh
+
+
+def _replicated_local(op: str, tensor: Any, mesh: Any, what: str) -> Any:
+    """A Tensor as it is; a DTensor replicated on ``mesh`` as its local tensor; raises otherwise."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh != mesh or any(p != Replicate() for p in tensor.placements):
+            raise ValueError(f"{op}: {what} must be a Tensor or a DTensor replicated on the vocabulary's mesh, "
+                             f"got {tensor.placements}")  # fmt: skip
+        return tensor.to_local()
+    return tensor
+
+
+def _check_labels(op: str, labels: Any, expected: torch.Size, device: torch.device, what: str) -> None:
     if not isinstance(labels, Tensor):
         raise TypeError(f"{op}: labels must be a Tensor, got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"{op}: labels must be int64 or int32, got {labels.dtype}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"{op}: labels must have logits' shape without the classes {tuple(logits.shape[:-1])}, "
-                         f"got {tuple(labels.shape)}")  # fmt: skip
-    if labels.device != logits.to_local().device:
-        raise ValueError(f"{op}: labels must be on logits' device {logits.to_local().device}, got {labels.device}")
-    return mesh, labels
+    if labels.shape != expected:
+        raise ValueError(f"{op}: labels must have {what} {tuple(expected)}, got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"{op}: labels must be on {device}, got {labels.device}")
 
 
-def _column_offset(num_classes: int, mesh: Any, local_classes: int) -> int:
-    """This rank's first column: DTensor's ``Shard`` splits the vocabulary as ``torch.chunk`` does."""
+def _vocab_shard(op: str, num_classes: int, mesh: Any, local_classes: int) -> VocabShard:
+    """This rank's columns: DTensor's ``Shard`` splits the vocabulary as ``torch.chunk`` does."""
     ranks, rank = mesh.size(), mesh.get_local_rank()
     chunk = -(-num_classes // ranks)
     offset = min(rank * chunk, num_classes)
     if local_classes != min(chunk, num_classes - offset):
         raise ValueError(
-            f"vocab_parallel_cross_entropy: rank {rank} holds {local_classes} of {num_classes} classes; expected "
+            f"{op}: rank {rank} holds {local_classes} of {num_classes} classes; expected "
             f"{min(chunk, num_classes - offset)} (DTensor's even Shard split)"
         )
-    return offset
+    return VocabShard(offset, num_classes, mesh)
 
 
 def vocab_parallel_cross_entropy(
@@ -173,23 +268,94 @@ def vocab_parallel_cross_entropy(
     """
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh, labels = _check_inputs(logits, labels)
-    check_loss_options("vocab_parallel_cross_entropy", ignore_index, reduction, 0.0, lse_square_scale, softcap)
-    num_classes = logits.shape[-1]
+    op = "vocab_parallel_cross_entropy"
+    mesh = _vocab_mesh(op, logits, -1, "logits")
+    labels = _replicated_local(op, labels, mesh, "labels")
     local = logits.to_local()
-    offset = _column_offset(num_classes, mesh, local.shape[-1])
+    _check_labels(op, labels, logits.shape[:-1], local.device, "logits' shape without the classes")
+    check_loss_options(op, ignore_index, reduction, 0.0, lse_square_scale, softcap)
+    num_classes = logits.shape[-1]
+    shard = _vocab_shard(op, num_classes, mesh, local.shape[-1])
     if local.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_labels_in_range("vocab_parallel_cross_entropy", labels, num_classes, int(ignore_index))
+        check_labels_in_range(op, labels, num_classes, int(ignore_index))
     local2d = local.reshape(-1, local.shape[-1])
     if local2d.stride(-1) != 1:
         local2d = local2d.contiguous()
     loss = _VocabParallelCrossEntropy.apply(
-        local2d, labels.reshape(-1), offset, num_classes, mesh, int(ignore_index), reduction,
-        float(lse_square_scale), float(softcap or 0.0),
-    )  # fmt: skip
+        local2d, labels.reshape(-1), shard, int(ignore_index), reduction, float(lse_square_scale), float(softcap or 0.0)
+    )
     if reduction == "none":
         loss = loss.view(labels.shape)
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
-__all__ = ["vocab_parallel_cross_entropy"]
+def vocab_parallel_fused_linear_cross_entropy(
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    weight_grad_accumulation: str = "fp32",
+) -> Any:
+    """``cross_entropy(hidden @ weight.T, labels)`` for an LM head whose weight rows (the
+    vocabulary) are sharded over a 1-D mesh, as :func:`inductor_ext.ops.fused_linear_cross_entropy`
+    computes it: chunks of rows at a time, no rank ever holding more than one chunk of its columns.
+
+    Args:
+        hidden: ``(..., H)``, the same on every rank (a Tensor, or a DTensor replicated on the mesh).
+        weight: a ``DTensor`` of shape ``(V, H)`` placed ``Shard(0)`` on a 1-D mesh (a
+            ``ColwiseParallel`` LM head's weight), ``hidden``'s dtype.
+        labels: ``(...)`` int64/int32 (a Tensor, or a DTensor replicated on the mesh).
+        ignore_index, lse_square_scale, softcap: as :func:`vocab_parallel_cross_entropy`.
+        reduction: ``"mean"`` or ``"sum"`` (``"none"`` would recompute every chunk in the backward,
+            with its collectives: not supported).
+        chunk_size: rows per chunk (default: as ``fused_linear_cross_entropy`` picks for the
+            rank's ``V_r`` columns).
+        weight_grad_accumulation: ``"fp32"`` or ``"weight_dtype"``, as ``fused_linear_cross_entropy``.
+
+    Returns:
+        The float32 loss as a DTensor replicated on the mesh; its backward gives ``weight`` a
+        gradient sharded as it is and ``hidden`` the full gradient on every rank.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    op = "vocab_parallel_fused_linear_cross_entropy"
+    mesh = _vocab_mesh(op, weight, 0, "weight")
+    hidden = _replicated_local(op, hidden, mesh, "hidden")
+    labels = _replicated_local(op, labels, mesh, "labels")
+    local_weight = weight.to_local()
+    if not isinstance(hidden, Tensor) or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: hidden must be a (..., {weight.shape[1]}) Tensor to match weight's hidden size, "
+                         f"got {getattr(hidden, 'shape', type(hidden).__name__)}")  # fmt: skip
+    if hidden.dtype != weight.dtype or hidden.device != local_weight.device:
+        raise TypeError(f"{op}: hidden must have weight's dtype and device ({weight.dtype}, {local_weight.device}), "
+                        f"got {hidden.dtype}, {hidden.device}")  # fmt: skip
+    _check_labels(op, labels, hidden.shape[:-1], hidden.device, "hidden's shape without the hidden size")
+    check_loss_options(op, ignore_index, reduction, 0.0, lse_square_scale, softcap)
+    if reduction == "none":
+        raise ValueError(f"{op}: reduction must be 'mean' or 'sum' ('none' is not supported), got 'none'")
+    if weight_grad_accumulation not in WEIGHT_GRAD_ACCUMULATIONS:
+        raise ValueError(f"{op}: weight_grad_accumulation must be one of {WEIGHT_GRAD_ACCUMULATIONS}, "
+                         f"got {weight_grad_accumulation!r}")  # fmt: skip
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{op}: chunk_size must be None or a positive int, got {chunk_size!r}")
+    num_classes, hidden_size = weight.shape
+    shard = _vocab_shard(op, num_classes, mesh, local_weight.shape[0])
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_labels_in_range(op, labels, num_classes, int(ignore_index))
+    chunk = resolve_chunk_size(
+        local_weight.shape[0], hidden_size, hidden.element_size(), chunk_size, None, weight_grad_accumulation
+    )
+    options = (int(ignore_index), 0.0, float(lse_square_scale), float(softcap or 0.0))
+    loss = _VocabParallelFusedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden_size), local_weight, labels.reshape(-1), shard, options, reduction, chunk,
+        weight_grad_accumulation,
+    )  # fmt: skip
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+
+
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_fused_linear_cross_entropy"]

@@ -68,6 +68,52 @@ def _check_case(mesh: Any, label_shape: tuple[int, ...], dtype: torch.dtype, kwa
     torch.testing.assert_close(logits.grad.full_tensor(), ref_logits.grad, **grad_tol)
 
 
+HIDDEN = 24
+
+FLCE_CASES: dict[str, tuple[tuple[int, ...], torch.dtype, dict[str, Any]]] = {
+    "flce_mean_chunks": ((ROWS,), torch.float32, {"chunk_size": 4}),
+    "flce_sum_softcap_z_loss": ((ROWS,), torch.float32, {"reduction": "sum", "softcap": 5.0, "lse_square_scale": 1e-2}),
+    "flce_3d_ignore_index_in_a_shard": ((3, 5), torch.float32, {"ignore_index": 7, "chunk_size": 6}),
+    "flce_bf16_weight_dtype": ((ROWS,), torch.bfloat16, {"weight_grad_accumulation": "weight_dtype", "chunk_size": 4}),
+}
+"""As :data:`CASES`, for ``vocab_parallel_fused_linear_cross_entropy`` against ``fused_linear_cross_entropy``."""
+
+
+def _check_flce_case(mesh: Any, label_shape: tuple[int, ...], dtype: torch.dtype, kwargs: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import inductor_ext.ops as F
+
+    hidden, weight = torch.randn(*label_shape, HIDDEN).to(dtype), torch.randn(CLASSES, HIDDEN).to(dtype)
+    labels = _labels(label_shape, kwargs.get("ignore_index", -100))
+    ref_hidden, ref_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.fused_linear_cross_entropy(ref_hidden, ref_weight, labels, **kwargs)
+    (ref * 0.7).backward()
+
+    # hidden as a replicated DTensor for 2-D inputs, a plain tensor otherwise
+    dist_hidden = distribute_tensor(hidden, mesh, [Replicate()]) if hidden.dim() == 2 else hidden.clone()
+    dist_hidden.requires_grad_()
+    dist_weight = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    loss = F.vocab_parallel_fused_linear_cross_entropy(dist_hidden, dist_weight, labels, **kwargs)
+    (loss * 0.7).backward()
+    torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert dist_weight.grad is not None and dist_weight.grad.placements == (Shard(0),), dist_weight.grad
+    dhidden = dist_hidden.grad.full_tensor() if hidden.dim() == 2 else dist_hidden.grad
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(dhidden, ref_hidden.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dist_weight.grad.full_tensor(), ref_weight.grad, rtol=1e-5, atol=1e-5)
+        return
+    # bf16: each rank's share of dhidden is rounded before the sum, so compare errors against float64
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    (torch.nn.functional.cross_entropy(h64 @ w64.T, labels) * 0.7).backward()
+    for ours, unsharded, exact in (
+        (dhidden, ref_hidden.grad, h64.grad),
+        (dist_weight.grad.full_tensor(), ref_weight.grad, w64.grad),
+    ):
+        error, unsharded_error = (ours.double() - exact).abs().max(), (unsharded.double() - exact).abs().max()
+        assert error <= 2 * unsharded_error, (float(error), float(unsharded_error))
+
+
 def _check_matches_loss_parallel(mesh: Any) -> None:
     """Against PyTorch's own vocab-parallel loss (``loss_parallel`` + ``F.cross_entropy``)."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -88,7 +134,8 @@ def _check_matches_loss_parallel(mesh: Any) -> None:
 
 
 def _check_compiled(mesh: Any) -> None:
-    """Under ``torch.compile(fullgraph=True)`` with the backend: the collectives trace, the result is eager's."""
+    """Both losses under ``torch.compile(fullgraph=True)`` with the backend: the collectives trace,
+    the results are eager's."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import inductor_ext.ops as F
@@ -110,6 +157,20 @@ def _check_compiled(mesh: Any) -> None:
         compiled_logits.grad.full_tensor(), eager_logits.grad.full_tensor(), rtol=1e-5, atol=1e-6
     )
 
+    hidden, weight = torch.randn(ROWS, HIDDEN), torch.randn(CLASSES, HIDDEN)
+    runs = []
+    for compile_it in (False, True):
+        h, w = hidden.clone().requires_grad_(), distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+
+        def flce(h: torch.Tensor, w: Any) -> Any:
+            return F.vocab_parallel_fused_linear_cross_entropy(h, w, labels, chunk_size=4)
+
+        loss = (torch.compile(flce, backend="fastops_inductor", fullgraph=True) if compile_it else flce)(h, w)
+        loss.backward()
+        runs.append((loss.full_tensor(), h.grad, w.grad.full_tensor()))
+    for eager_value, compiled_value in zip(*runs, strict=True):
+        torch.testing.assert_close(compiled_value, eager_value, rtol=1e-5, atol=1e-6)
+
 
 def _error_of(call: Callable[[], Any]) -> str:
     try:
@@ -126,6 +187,8 @@ def _bad_inputs(mesh: Any) -> dict[str, str]:
 
     full, labels = torch.randn(ROWS, CLASSES), _labels((ROWS,))
     sharded = distribute_tensor(full, mesh, [Shard(1)])
+    hidden, weight = torch.randn(ROWS, HIDDEN), torch.randn(CLASSES, HIDDEN)
+    sharded_weight = distribute_tensor(weight, mesh, [Shard(0)])
     return {
         "plain_tensor": _error_of(lambda: F.vocab_parallel_cross_entropy(full, labels)),
         "replicated": _error_of(
@@ -141,6 +204,21 @@ def _bad_inputs(mesh: Any) -> dict[str, str]:
         ),
         "labels_out_of_range": _error_of(lambda: F.vocab_parallel_cross_entropy(sharded, labels + CLASSES)),
         "reduction": _error_of(lambda: F.vocab_parallel_cross_entropy(sharded, labels, reduction="max")),
+        "flce_plain_weight": _error_of(lambda: F.vocab_parallel_fused_linear_cross_entropy(hidden, weight, labels)),
+        "flce_weight_on_hidden_dim": _error_of(
+            lambda: F.vocab_parallel_fused_linear_cross_entropy(
+                hidden, distribute_tensor(weight, mesh, [Shard(1)]), labels
+            )
+        ),
+        "flce_none": _error_of(
+            lambda: F.vocab_parallel_fused_linear_cross_entropy(hidden, sharded_weight, labels, reduction="none")
+        ),
+        "flce_hidden_size": _error_of(
+            lambda: F.vocab_parallel_fused_linear_cross_entropy(hidden[:, :-1], sharded_weight, labels)
+        ),
+        "flce_hidden_dtype": _error_of(
+            lambda: F.vocab_parallel_fused_linear_cross_entropy(hidden.double(), sharded_weight, labels)
+        ),
     }
 
 
@@ -149,10 +227,12 @@ def _run(rank: int, world_size: int, results_path: str) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,))
     results: dict[str, Any] = {}
-    for name, (shape, dtype, kwargs) in CASES.items():
+    cases = [(name, _check_case, case) for name, case in CASES.items()]
+    cases += [(name, _check_flce_case, case) for name, case in FLCE_CASES.items()]
+    for name, check, (shape, dtype, kwargs) in cases:
         torch.manual_seed(0)  # the same full inputs on every rank
         try:
-            _check_case(mesh, shape, dtype, kwargs)
+            check(mesh, shape, dtype, kwargs)
             results[name] = ""
         except Exception:  # noqa: BLE001 (each case's traceback goes to its own test)
             results[name] = traceback.format_exc()
@@ -178,6 +258,11 @@ def test_matches_unsharded_cross_entropy(results: dict[str, Any], name: str) -> 
     assert results.get(name) == "", results.get(name, f"{name} did not run")
 
 
+@pytest.mark.parametrize("name", list(FLCE_CASES))
+def test_fused_linear_matches_unsharded(results: dict[str, Any], name: str) -> None:
+    assert results.get(name) == "", results.get(name, f"{name} did not run")
+
+
 def test_matches_torch_loss_parallel(results: dict[str, Any]) -> None:
     assert results["loss_parallel"] == "", results["loss_parallel"]
 
@@ -189,14 +274,28 @@ def test_compiles_with_the_backend(results: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("plain_tensor", "TypeError: vocab_parallel_cross_entropy: logits must be a DTensor sharded on its last"),
-        ("replicated", "ValueError: vocab_parallel_cross_entropy: logits must be sharded on their last dim"),
-        ("row_sharded", "ValueError: vocab_parallel_cross_entropy: logits must be sharded on their last dim"),
+        ("plain_tensor", "TypeError: vocab_parallel_cross_entropy: logits must be a DTensor sharded on the vocabulary"),
+        ("replicated", "ValueError: vocab_parallel_cross_entropy: logits must be sharded on dim 1 (the vocabulary)"),
+        ("row_sharded", "ValueError: vocab_parallel_cross_entropy: logits must be sharded on dim 1 (the vocabulary)"),
         ("labels_shape", "ValueError: vocab_parallel_cross_entropy: labels must have logits' shape"),
         ("labels_dtype", "TypeError: vocab_parallel_cross_entropy: labels must be int64 or int32"),
-        ("labels_sharded", "ValueError: vocab_parallel_cross_entropy: labels must be a Tensor or a DTensor replicated"),
+        (
+            "labels_sharded",
+            "ValueError: vocab_parallel_cross_entropy: labels must be a Tensor or a DTensor replicated on the vocabulary",
+        ),
         ("labels_out_of_range", "ValueError: vocab_parallel_cross_entropy: labels must be in [0, 41)"),
         ("reduction", "ValueError: vocab_parallel_cross_entropy: reduction"),
+        ("flce_plain_weight", "TypeError: vocab_parallel_fused_linear_cross_entropy: weight must be a DTensor"),
+        (
+            "flce_weight_on_hidden_dim",
+            "ValueError: vocab_parallel_fused_linear_cross_entropy: weight must be sharded on dim 0",
+        ),
+        ("flce_none", "ValueError: vocab_parallel_fused_linear_cross_entropy: reduction must be 'mean' or 'sum'"),
+        (
+            "flce_hidden_size",
+            "ValueError: vocab_parallel_fused_linear_cross_entropy: hidden must be a (..., 24) Tensor",
+        ),
+        ("flce_hidden_dtype", "TypeError: vocab_parallel_fused_linear_cross_entropy: hidden must have weight's dtype"),
     ],
 )
 def test_bad_input_is_named(results: dict[str, Any], case: str, expected: str) -> None:
