@@ -1,4 +1,4 @@
-"""Run a function on 2 processes over gloo, for the CPU tests of DTensor and FSDP2.
+"""Run a function on 2 processes over gloo (the CPU tests of DTensor and FSDP2) or NCCL (their GPU tests).
 
 Each rank runs ``fn(rank, world_size, *args)`` in a spawned process with a gloo process group
 (a file store in a temporary directory: no port to race for). A child's exception fails the
@@ -23,9 +23,14 @@ WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _entry(rank: int, fn: Callable[..., Any], store_path: str, args: tuple[Any, ...]) -> None:
+def _entry(rank: int, fn: Callable[..., Any], store_path: str, backend: str, args: tuple[Any, ...]) -> None:
+    if backend == "nccl":  # one GPU per rank; tensors the test makes land on it
+        import torch
+
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=WORLD_SIZE,
@@ -38,14 +43,19 @@ def _entry(rank: int, fn: Callable[..., Any], store_path: str, args: tuple[Any, 
         dist.destroy_process_group()
 
 
-def run_on_two_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 180) -> None:
-    """``fn(rank, 2, *args)`` on ranks 0 and 1; raises the first child's exception (with its traceback)."""
+def run_on_two_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 180, backend: str = "gloo") -> None:
+    """``fn(rank, 2, *args)`` on ranks 0 and 1; raises the first child's exception (with its traceback).
+    ``backend="nccl"``: rank ``r`` on GPU ``r``, which is also its default device."""
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"  # read by the children when they import the package
     try:
         with tempfile.TemporaryDirectory() as tmp:
             context = mp.start_processes(
-                _entry, args=(fn, os.path.join(tmp, "store"), args), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+                _entry,
+                args=(fn, os.path.join(tmp, "store"), backend, args),
+                nprocs=WORLD_SIZE,
+                join=False,
+                start_method="spawn",
             )
             deadline = time.monotonic() + timeout_s
             while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
@@ -61,8 +71,10 @@ def run_on_two_ranks(fn: Callable[..., Any], *args: Any, timeout_s: float = 180)
             os.environ["TRITON_INTERPRET"] = previous
 
 
-def results_of_two_ranks(tmp_path_factory: Any, fn: Callable[..., Any], name: str, timeout_s: float) -> Any:
+def results_of_two_ranks(
+    tmp_path_factory: Any, fn: Callable[..., Any], name: str, timeout_s: float, backend: str = "gloo"
+) -> Any:
     """Run ``fn(rank, world_size, results_path)`` on two ranks; the JSON rank 0 wrote to ``results_path``."""
     path = tmp_path_factory.mktemp(name) / "results.json"
-    run_on_two_ranks(fn, str(path), timeout_s=timeout_s)
+    run_on_two_ranks(fn, str(path), timeout_s=timeout_s, backend=backend)
     return json.loads(path.read_text())

@@ -223,9 +223,12 @@ def _bad_inputs(mesh: Any) -> dict[str, str]:
 
 
 def _run(rank: int, world_size: int, results_path: str) -> None:
+    """Every check on a 1-D mesh of the ranks: CPU over gloo, or their GPUs over NCCL
+    (``tests/gpu/test_distributed_gpu.py``, where new tensors default to the rank's GPU)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (world_size,))
     results: dict[str, Any] = {}
     cases = [(name, _check_case, case) for name, case in CASES.items()]
     cases += [(name, _check_flce_case, case) for name, case in FLCE_CASES.items()]
