@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from inductor_ext.ops.cross_entropy import (
-    LABEL_DTYPES,
     SUPPORTED_DTYPES,
+    check_labels,
     check_labels_in_range,
     check_loss_options,
     count_and_grad_scale,
@@ -214,17 +214,6 @@ def _replicated_local(op: str, tensor: Any, mesh: Any, what: str) -> Any:
     return tensor
 
 
-def _check_labels(op: str, labels: Any, expected: torch.Size, device: torch.device, what: str) -> None:
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"{op}: labels must be a Tensor, got {type(labels).__name__}")
-    if labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"{op}: labels must be int64 or int32, got {labels.dtype}")
-    if labels.shape != expected:
-        raise ValueError(f"{op}: labels must have {what} {tuple(expected)}, got {tuple(labels.shape)}")
-    if labels.device != device:
-        raise ValueError(f"{op}: labels must be on {device}, got {labels.device}")
-
-
 def _vocab_shard(op: str, num_classes: int, mesh: Any, local_classes: int) -> VocabShard:
     """This rank's columns: DTensor's ``Shard`` splits the vocabulary as ``torch.chunk`` does."""
     ranks, rank = mesh.size(), mesh.get_local_rank()
@@ -272,7 +261,7 @@ def vocab_parallel_cross_entropy(
     mesh = _vocab_mesh(op, logits, -1, "logits")
     labels = _replicated_local(op, labels, mesh, "labels")
     local = logits.to_local()
-    _check_labels(op, labels, logits.shape[:-1], local.device, "logits' shape without the classes")
+    check_labels(op, labels, logits.shape[:-1], local.device, "logits' shape without the classes")
     check_loss_options(op, ignore_index, reduction, 0.0, lse_square_scale, softcap)
     num_classes = logits.shape[-1]
     shard = _vocab_shard(op, num_classes, mesh, local.shape[-1])
@@ -334,7 +323,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     if hidden.dtype != weight.dtype or hidden.device != local_weight.device:
         raise TypeError(f"{op}: hidden must have weight's dtype and device ({weight.dtype}, {local_weight.device}), "
                         f"got {hidden.dtype}, {hidden.device}")  # fmt: skip
-    _check_labels(op, labels, hidden.shape[:-1], hidden.device, "hidden's shape without the hidden size")
+    check_labels(op, labels, hidden.shape[:-1], hidden.device, "hidden's shape without the hidden size")
     check_loss_options(op, ignore_index, reduction, 0.0, lse_square_scale, softcap)
     if reduction == "none":
         raise ValueError(f"{op}: reduction must be 'mean' or 'sum' ('none' is not supported), got 'none'")
