@@ -80,7 +80,7 @@ def reduce_loss(row_loss: Tensor, count: Tensor, reduction: str) -> Tensor:
     return total if reduction == "sum" else total / count
 
 
-def _capped(logits: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
+def capped_logits(logits: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
     """(z, t): fp32 logits after soft-capping, and ``t = tanh(x / softcap)`` (None without softcap)."""
     x = logits.float()
     if softcap > 0:
@@ -94,7 +94,7 @@ def row_loss_and_lse_math(
 ) -> tuple[Tensor, Tensor]:
     """Aten-only loss per row and log-sum-exp per row (both fp32): the forward kernel's math."""
     v = logits.shape[-1]
-    z, _t = _capped(logits, softcap)
+    z, _t = capped_logits(logits, softcap)
     lse = torch.logsumexp(z, dim=-1)
     ignored = labels == ignore_index
     in_range = (labels >= 0) & (labels < v)
@@ -118,7 +118,7 @@ def grad_from_lse_math(
 ) -> Tensor:
     """Aten-only gradient (logits' dtype, times ``grad_scale``: None, 0-dim or per row): the backward kernel's math."""
     v = logits.shape[-1]
-    z, t = _capped(logits, softcap)
+    z, t = capped_logits(logits, softcap)
     in_range = (labels >= 0) & (labels < v)
     safe_labels = torch.where(in_range, labels, 0).long()
     g = torch.exp(z - lse.unsqueeze(1)) * (1.0 + 2.0 * lse_square_scale * lse).unsqueeze(1) - label_smoothing / v

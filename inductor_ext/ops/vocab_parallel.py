@@ -35,10 +35,12 @@ from torch import Tensor
 
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
+    capped_logits,
     check_labels,
     check_labels_in_range,
     check_loss_options,
     count_and_grad_scale,
+    count_non_ignored,
     reduce_loss,
 )
 from inductor_ext.ops.fused_linear_cross_entropy import (
@@ -63,11 +65,6 @@ class VocabShard(NamedTuple):
     """The 1-D device mesh the vocabulary is sharded over."""
 
 
-def _capped_fp32(x: Tensor, softcap: float) -> Tensor:
-    x = x.float()
-    return softcap * torch.tanh(x / softcap) if softcap > 0 else x
-
-
 def _global_row_loss(
     logits: Tensor, labels: Tensor, shard: VocabShard, ignore_index: int, lse_square_scale: float, softcap: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -83,7 +80,7 @@ def _global_row_loss(
     _, lse_local = torch.ops.fastops.cross_entropy_fwd(
         logits, local_labels, LOCAL_IGNORE_INDEX, 0.0, 0.0, softcap, "none"
     )
-    z_y = _capped_fp32(logits.gather(1, torch.where(held, local_labels, 0).long().unsqueeze(1)).squeeze(1), softcap)
+    z_y, _ = capped_logits(logits.gather(1, torch.where(held, local_labels, 0).long().unsqueeze(1)).squeeze(1), softcap)
     z_y = torch.where(held, z_y, 0.0)
     row_max = funcol.all_reduce(lse_local, "max", shard.mesh)
     sums = funcol.all_reduce(torch.stack([torch.exp(lse_local - row_max), z_y]), "sum", shard.mesh)
@@ -111,7 +108,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
         ctx.save_for_backward(logits, local_labels, lse)
         ctx.options = (lse_square_scale, softcap, reduction)
-        return reduce_loss(row_loss, (labels != ignore_index).sum(), reduction)
+        return reduce_loss(row_loss, count_non_ignored(labels, ignore_index), reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -134,10 +131,10 @@ def _chunk_loss(shard: VocabShard) -> ChunkLoss:
         local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
         if not compute_grad:
             return row_loss, None
-        rows = labels.shape[0]
-        scale = torch.ones(rows, device=logits.device) if grad_scale is None else grad_scale.float().expand(rows)
+        # grad_scale: None ("sum") or the mean's 0-dim 1 / count; "sum" multiplies every row by it
+        scale = logits.new_ones((), dtype=torch.float32) if grad_scale is None else grad_scale
         torch.ops.fastops.cross_entropy_bwd_inplace(
-            scale.contiguous(), logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, "none"
+            scale, logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, "sum"
         )
         return row_loss, logits
 

@@ -7,7 +7,6 @@ disagree. Each rank has a tuning database of its own, as on two hosts.
 """
 
 import json
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +68,9 @@ def _run(rank: int, world_size: int, results_path: str) -> None:
         Path(results_path).write_text(json.dumps(gathered))
 
 
-def _run_catching(rank: int, world_size: int, results_path: str) -> None:
-    try:
-        _run(rank, world_size, results_path)
-    except Exception:
-        if rank == 0:
-            Path(results_path).write_text(json.dumps({"error": traceback.format_exc()}))
-        raise
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return results_of_two_ranks(tmp_path_factory, _run_catching, "route_agreement", timeout_s=120)
+    return results_of_two_ranks(tmp_path_factory, _run, "route_agreement", timeout_s=120)
 
 
 def test_ranks_take_one_rank_s_decision(ranks: list[dict[str, Any]]) -> None:
