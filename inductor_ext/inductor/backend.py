@@ -2,7 +2,8 @@
 
 Five steps on the graph Dynamo hands over, then Inductor:
 
-0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`);
+0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`), and
+   block-sparse document attention where it is proven the packed-document mask (:mod:`.document_mask`);
 1. rewrite common spellings into fastops ops (:mod:`.patterns`);
 2. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
@@ -26,6 +27,7 @@ from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
+from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.patterns import apply_rewrites
 from inductor_ext.ops._library import route_ops
@@ -57,6 +59,8 @@ def fastops_inductor(
     maybe_warm_pool()
     if ours.causal_mask:
         rewrite_causal_masks(gm, assume_no_padding=ours.assume_no_padding)
+    if ours.document_mask:
+        rewrite_document_masks(gm)
     if ours.patterns:
         apply_rewrites(gm)
     planner = RoutePlanner(ours, TuningDatabase())

@@ -294,16 +294,22 @@ def _concrete(size: Any, values: Mapping[sympy.Symbol, int]) -> int:
 
 
 def _evaluate(
-    gm: GraphModule, nodes: list[Node], mask: Node, values: Mapping[sympy.Symbol, int], padding: list[Node]
+    gm: GraphModule,
+    nodes: list[Node],
+    mask: Node,
+    values: Mapping[sympy.Symbol, int],
+    padding: list[Node],
+    samples: Mapping[Node, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run the mask's subgraph on inputs built from the sizes alone."""
+    """Run the mask's subgraph on inputs built from the sizes alone (``samples``: given values for some inputs)."""
     graph = Graph()
     env: dict[Node, Node] = {}
     inputs: list[Any] = []
     for node in nodes:
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
-            inputs.append(_input_at(_value(node), values, ones=node in padding))
+            given = samples.get(node) if samples else None
+            inputs.append(given if given is not None else _input_at(_value(node), values, ones=node in padding))
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])

@@ -23,6 +23,10 @@ named next to each. An explicit option beats the environment, which beats the de
 ``fastops.causal_mask`` (``INDUCTOR_EXT_CAUSAL_MASK``)
     Call ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask where the
     graph's mask is proven to be the causal mask (default true; :mod:`.causal_mask`).
+``fastops.document_mask`` (``INDUCTOR_EXT_DOCUMENT_MASK``)
+    Run SDPA calls whose mask is proven to be transformers' packed-document mask (causal within
+    each document of ``position_ids``) as block-sparse FlexAttention that skips cross-document
+    blocks (default true; :mod:`.document_mask`).
 ``fastops.assume_no_padding`` (``INDUCTOR_EXT_ASSUME_NO_PADDING``)
     Promise that 2-D integer/boolean graph inputs that attention masks are built from
     (HF's ``attention_mask``) hold no padding, so a mask built from them can be proven
@@ -39,7 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 ROUTES = ("auto", "kernel", "inductor")
-OPTION_NAMES = ("route", "multi_kernel", "patterns", "causal_mask", "assume_no_padding")
+OPTION_NAMES = ("route", "multi_kernel", "patterns", "causal_mask", "document_mask", "assume_no_padding")
 """Our options, each spelled ``fastops.<name>`` in ``options``."""
 _PREFIX = "fastops."
 
@@ -55,6 +59,7 @@ class BackendOptions:
     cpp_wrapper: bool = False
     causal_mask: bool = True
     assume_no_padding: bool = False
+    document_mask: bool = True
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
@@ -105,9 +110,11 @@ def parse_options(
     )
     causal_mask = ours.get("causal_mask", env_flag(env, "INDUCTOR_EXT_CAUSAL_MASK", True))
     assume_no_padding = ours.get("assume_no_padding", env_flag(env, "INDUCTOR_EXT_ASSUME_NO_PADDING", False))
+    document_mask = ours.get("document_mask", env_flag(env, "INDUCTOR_EXT_DOCUMENT_MASK", True))
     parsed = BackendOptions(
-        default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding)
-    )
+        default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding),
+        bool(document_mask),
+    )  # fmt: skip
     return parsed, options
 
 
