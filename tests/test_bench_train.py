@@ -2,6 +2,7 @@
 process (on a GPU the same command measures the real model shapes; see docs/benchmarks.md)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -163,3 +164,141 @@ def test_nproc_shards_each_provider_with_fsdp2_over_gloo_ranks(tmp_path):
     for a, b in zip(eager, ours, strict=True):
         assert abs(a - b) <= 2e-2 * abs(a)
     assert "tokens/s per GPU" in proc.stdout
+
+
+def test_packed_rows_are_full_with_positions_and_labels_restarting_at_each_document():
+    from inductor_ext.bench import packing
+
+    steps = packing.packed_batches(4, 3, 1024, 256, seed=5)
+    assert len(steps) == 4
+    lengths = []
+    for packed in steps:
+        assert packed.input_ids.shape == packed.labels.shape == packed.position_ids.shape == (3, 1024)
+        assert packed.attention_mask is None and packed.real_tokens == 3 * 1024
+        assert int(packed.input_ids.min()) >= 0 and int(packed.input_ids.max()) < 256
+        for ids, positions, labels in zip(packed.input_ids, packed.position_ids, packed.labels):
+            starts = (positions == 0).nonzero().flatten().tolist()
+            assert starts[0] == 0  # every row starts a document: none spans two rows
+            ends = [*starts[1:], 1024]
+            for a, b in zip(starts, ends):
+                torch.testing.assert_close(positions[a:b], torch.arange(b - a), rtol=0, atol=0)
+                assert labels[a] == -100  # as DataCollatorWithFlattening: no label across documents
+                torch.testing.assert_close(labels[a + 1 : b], ids[a + 1 : b], rtol=0, atol=0)
+            lengths += [b - a for a, b in zip(starts, ends)]
+    assert max(lengths) <= 1024 and len(lengths) > 3 * 4  # several documents per row, at median 300 tokens
+    whole = [n for n in lengths if n >= packing.DOC_LENGTH_MIN]  # the cut ones can be shorter
+    assert 150 < sorted(whole)[len(whole) // 2] < 500
+
+
+def test_document_lengths_are_seeded_lognormal_and_clamped():
+    import itertools
+    import statistics
+
+    from inductor_ext.bench import packing
+
+    drawn = list(itertools.islice(packing.document_lengths(2048, seed=0), 4000))
+    assert drawn == list(itertools.islice(packing.document_lengths(2048, seed=0), 4000))
+    assert drawn != list(itertools.islice(packing.document_lengths(2048, seed=1), 4000))
+    assert min(drawn) >= packing.DOC_LENGTH_MIN and max(drawn) == 2048  # P(> 2048) is 0.5%: clamped
+    assert abs(statistics.median(drawn) - packing.DOC_LENGTH_MEDIAN) < 20
+    short = list(itertools.islice(packing.document_lengths(64, seed=0), 100))
+    assert max(short) == 64 and min(short) >= packing.DOC_LENGTH_MIN
+
+
+def test_the_same_seed_packs_the_same_batches():
+    from inductor_ext.bench import packing
+
+    first, second = (packing.packed_batches(3, 2, 700, 1000, seed=7) for _ in range(2))
+    other = packing.packed_batches(3, 2, 700, 1000, seed=8)
+    for a, b in zip(first, second, strict=True):
+        for name in ("input_ids", "labels", "position_ids"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    assert not torch.equal(first[0].position_ids, other[0].position_ids)
+
+
+@pytest.mark.parametrize("padded_batch", [1, 3, 8])
+def test_padded_batches_hold_exactly_the_packed_documents(padded_batch):
+    from inductor_ext.bench import packing
+
+    for packed in packing.packed_batches(3, 4, 900, 512, seed=2):
+        docs = packing.documents(packed)
+        padded = packing.padded_batches(packed, padded_batch)
+        assert sum(b.real_tokens for b in padded) == packed.real_tokens == 4 * 900
+        assert sum(b.input_ids.shape[0] for b in padded) == len(docs)
+        assert all(b.position_ids is None and b.input_ids.shape[0] > 1 for b in padded[:-1] if padded_batch > 1)
+        rows = []
+        for b in padded:
+            mask = b.attention_mask.bool()
+            assert mask.any(dim=1).all() and mask[:, 0].all()  # right-padded, no empty row
+            assert mask.sum(dim=1).max() == b.input_ids.shape[1]  # padded to the group's longest
+            assert (b.labels[~mask] == -100).all() and (b.labels[:, 0] == -100).all()
+            torch.testing.assert_close(b.labels[:, 1:][mask[:, 1:]], b.input_ids[:, 1:][mask[:, 1:]], rtol=0, atol=0)
+            rows += [ids[m] for ids, m in zip(b.input_ids, mask)]
+        for doc, row in zip(docs, rows, strict=True):  # the same documents, in the same order
+            torch.testing.assert_close(doc, row, rtol=0, atol=0)
+
+
+def test_packed_and_padded_batches_give_the_model_the_same_loss():
+    """The tiny Llama in float32, called as the benchmark calls it: the packed batch (``use_cache=False``:
+    documents do not attend to each other) has the padded batches' loss, token for token."""
+    from inductor_ext.bench import packing
+
+    model = train.build_model("tiny-llama", "cpu", torch.float32).eval()
+    packed = packing.packed_batches(1, 2, 600, 256, seed=3)[0]
+    padded = packing.padded_batches(packed, 3)
+    assert len(padded) > 1
+
+    def summed(batch):  # HF's loss is the mean over the labelled (shifted) tokens
+        with torch.no_grad():
+            loss = model(**batch.model_kwargs(), use_cache=False).loss
+        return loss * int((batch.labels[:, 1:] != -100).sum())
+
+    total = sum(summed(b) for b in padded)
+    torch.testing.assert_close(summed(packed), total, rtol=1e-5, atol=0)
+    with torch.no_grad():  # with HF's default KV cache the documents attend to each other: another loss
+        crossed = model(**packed.model_kwargs()).loss * int((packed.labels[:, 1:] != -100).sum())
+    assert abs(float(crossed - total)) > 1e-4 * abs(float(total))  # at random init: 5e-4 here, 50x the tolerance
+
+
+def test_packed_run_reports_real_tokens_and_losses_next_to_each_reference(tmp_path):
+    """``--packed`` on CPU: the packed and padded providers on the same documents (2 x 512 tokens a step,
+    several documents per row, 2 padded documents per batch), each loss next to its eager reference's."""
+    providers = ("hf_eager_padded", "hf_eager_packed", "patched_eager_packed")
+    results, stdout = run_tiny_bench(
+        tmp_path, *providers, flags=("--packed", "--seq", "512", "--padded-batch", "2"),
+        stem="train_tiny-llama_2x512_packed",
+    )  # fmt: skip
+    assert list(results) == list(providers)
+    for r in results.values():
+        assert r["real_tokens_per_s"] > 0 and len(r["losses"]) >= 3
+        assert all(math.isfinite(loss) for loss in r["losses"])
+    padded, packed = results["hf_eager_padded"], results["hf_eager_packed"]
+    assert packed["pad_fraction"] == 0 and packed["tokens_per_s"] == packed["real_tokens_per_s"]
+    assert 0 < padded["pad_fraction"] < 1 and padded["tokens_per_s"] > padded["real_tokens_per_s"]
+    assert padded["optimizer_steps_per_step"] > 1 and packed["optimizer_steps_per_step"] == 1
+    assert len(packed["losses"]) == 3 < len(padded["losses"])
+    for a, b in zip(packed["losses"], results["patched_eager_packed"]["losses"], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)
+    summary = {
+        row["provider"]: row
+        for row in json.loads((tmp_path / "train_tiny-llama_2x512_packed.json").read_text())["summary"]
+    }
+    assert summary["hf_eager_padded"]["loss reference"] == "hf_eager_padded"
+    assert summary["patched_eager_packed"]["loss reference"] == "hf_eager_packed"
+    assert summary["patched_eager_packed"]["- hf_eager"] is not None
+    assert "real tokens/s" in stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--packed", "--lora"], "--packed runs alone"),
+        (["--packed", "--providers", "hf_eager"], "--packed runs only"),
+        (["--providers", "hf_eager_packed"], "only with --packed"),
+        (["--packed", "--padded-batch", "0"], "--padded-batch must be >= 1"),
+    ],
+)
+def test_packed_arguments_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err

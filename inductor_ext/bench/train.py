@@ -32,6 +32,21 @@ GPU too; the loss is the ranks' mean.
 (``models.apply(loss_chunk_size=N)``; the output files end in ``_loss_chunkN``): the trade between
 the loss's memory and its weight-gradient passes.
 
+``--packed`` trains on seeded SFT-like documents (:mod:`inductor_ext.bench.packing`: lognormal lengths,
+median 300 tokens, sigma 0.75, clamped to ``[16, --seq]``) instead of full rows (:data:`PACKED_PROVIDERS`;
+``--providers`` picks among them). ``*_packed`` providers train padding-free: each step is ``--batch`` rows of
+``--seq`` tokens, documents packed greedily in order, with ``position_ids`` restarting at 0 at each document
+and the first label of each document -100 (as ``DataCollatorWithFlattening`` builds them), called with
+``use_cache=False`` (transformers builds its document mask from ``position_ids`` only when no KV cache
+exists; with the default cache, packed documents attend to each other). ``*_padded`` providers train the
+baseline on the same documents: a step's documents, ``--padded-batch`` (default 8) at a time, right-padded to
+the longest of each group, with an ``attention_mask`` (``torch.compile(dynamic=True)``: the length changes
+from batch to batch). A step of either covers the same ``--batch`` x ``--seq`` document tokens, so
+``real_tokens_per_s`` (non-pad tokens over the median step time) compares them; ``tokens_per_s`` counts the
+padding positions too, ``pad_fraction`` is their share. Losses compare with ``hf_eager_packed``'s
+(``hf_eager_padded``'s for the padded providers); speeds with ``torch_compile_packed``'s real tokens/s.
+Writes ``train_<model>_<batch>x<seq>_packed.json`` (and ``.png``).
+
 ``--attention-mask ones`` passes an ``attention_mask`` of ones, as HF's data collators do:
 the mask then depends on a user tensor, which the backend's causal-mask rewrite cannot
 prove causal unless ``fastops.assume_no_padding`` is set (provider
@@ -50,7 +65,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench import fsdp
+from inductor_ext.bench import fsdp, packing
 from inductor_ext.bench.harness import (
     ClockSampler,
     fresh_cache_env,
@@ -99,6 +114,14 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "peft_fastops_inductor": {"backend": "fastops_inductor"},
     "lora_fused_eager": None,
     "lora_fused_fastops_inductor": {"backend": "fastops_inductor"},
+    "hf_eager_padded": None,
+    "fastops_inductor_padded": {"backend": "fastops_inductor", "dynamic": True},
+    "hf_eager_packed": None,
+    "torch_compile_packed": {},
+    "fastops_inductor_packed": {"backend": "fastops_inductor"},
+    "patched_fastops_inductor_packed": {"backend": "fastops_inductor"},
+    "patched_eager_packed": None,
+    "liger_packed": None,
 }  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
@@ -107,7 +130,8 @@ patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused li
 ``_cpp_wrapper``: Inductor's C++ wrapper (for the patched model too); ``_warm_db``: the standalone
 tuner fills the tuning database from the model's config before the model is built; ``peft_*`` and
 ``lora_fused_*`` train LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by
-:func:`inductor_ext.models.apply`."""
+:func:`inductor_ext.models.apply`; ``*_packed`` and ``*_padded`` train on documents (``--packed``), packed
+with ``position_ids`` or right-padded with an ``attention_mask`` (compiled with ``dynamic=True``)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -116,6 +140,10 @@ CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fa
 LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "lora_fused_eager",
                   "lora_fused_fastops_inductor")  # fmt: skip
 """What ``--lora`` runs."""
+PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
+                    "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
+                    "liger_packed")  # fmt: skip
+"""What ``--packed`` runs (``liger_packed`` where ``liger_kernel`` is importable)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.05
 CATEGORIES = tuple(kernel_us_by_class({}))
@@ -148,6 +176,15 @@ def batches(count: int, batch: int, seq: int, vocab: int, device: str, *, seed: 
     return [torch.randint(0, vocab, (batch, seq), generator=generator).to(device) for _ in range(count)]
 
 
+def packed_steps(args: argparse.Namespace, provider: str, count: int, device: str) -> list[list[packing.Batch]]:
+    """``count`` steps of ``--packed`` documents: per step its packed batch, or (``*_padded``) the padded
+    batches of the same documents."""
+    packed = packing.packed_batches(count, args.batch, args.seq, MODELS[args.model]["vocab_size"], seed=1)
+    if provider.endswith("_padded"):
+        return [[b.to(device) for b in packing.padded_batches(p, args.padded_batch)] for p in packed]
+    return [[p.to(device)] for p in packed]
+
+
 def add_lora(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` wrapped by PEFT with the ``--lora`` adapters (the base frozen, the adapters float32)."""
     import peft
@@ -158,16 +195,25 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, config)  # type: ignore[arg-type]
 
 
-def make_step(model: torch.nn.Module, provider: str, attention_mask: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them); returns the loss."""
+def make_step(
+    model: torch.nn.Module, provider: str, attention_mask: str
+) -> Callable[[torch.Tensor | packing.Batch], torch.Tensor]:
+    """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them) or on a
+    ``--packed`` run's :class:`~inductor_ext.bench.packing.Batch`; returns the loss."""
     compile_args = PROVIDERS[provider]
     forward: Any = model if compile_args is None else torch.compile(model, **compile_args)
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        kwargs = {"attention_mask": torch.ones_like(ids)} if attention_mask == "ones" else {}
-        loss = forward(input_ids=ids, labels=ids, **kwargs).loss
+    def step(batch: torch.Tensor | packing.Batch) -> torch.Tensor:
+        if isinstance(batch, packing.Batch):
+            # without a KV cache transformers builds the document mask from position_ids; padded: the same call
+            kwargs: dict[str, Any] = {**batch.model_kwargs(), "use_cache": False}
+        else:
+            kwargs = {"input_ids": batch, "labels": batch}
+            if attention_mask == "ones":
+                kwargs["attention_mask"] = torch.ones_like(batch)
+        loss = forward(**kwargs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -207,7 +253,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     ranks = fsdp.world_size()
     rank, device = fsdp.init(device) if ranks > 1 else (0, device)
     tune_s = tune_from_config(args) if provider.endswith("_warm_db") else None
-    if provider == "liger_eager":
+    if provider.startswith("liger_"):
         apply_liger(args.model)
     from inductor_ext import models
 
@@ -224,32 +270,36 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         models.apply(model, loss_chunk_size=args.loss_chunk_size)
     if ranks > 1:
         fsdp.shard(model)
-    step = make_step(model, provider, args.attention_mask)
-    data = batches(
-        args.warmup + args.steps + 1 + args.profile_steps,
-        args.batch,
-        args.seq,
-        MODELS[args.model]["vocab_size"],
-        device,
-        seed=1 + rank,
-    )
+    optimizer_step = make_step(model, provider, args.attention_mask)
+    count = args.warmup + args.steps + 1 + args.profile_steps
+    # a step is a list of batches: one, or (``*_padded``) the padded batches of one packed batch's documents
+    data: list[list[Any]]
+    if provider in PACKED_PROVIDERS:
+        data = packed_steps(args, provider, count, device)
+    else:
+        data = [[ids] for ids in batches(count, args.batch, args.seq, MODELS[args.model]["vocab_size"], device,
+                                         seed=1 + rank)]  # fmt: skip
     on_gpu = device.startswith("cuda")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
+    def step(unit: list[Any]) -> list[torch.Tensor]:
+        return [optimizer_step(batch) for batch in unit]
+
     start = time.perf_counter()
-    losses = [step(data[0])]
+    losses = step(data[0])
     sync()
     first_step_s = time.perf_counter() - start
-    for ids in data[1 : 1 + args.warmup]:
-        losses.append(step(ids))
+    for unit in data[1 : 1 + args.warmup]:
+        losses += step(unit)
     sync()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     step_s = []
+    timed = data[1 + args.warmup : 1 + args.warmup + args.steps]
     with ClockSampler() as clocks:
-        for ids in data[1 + args.warmup : 1 + args.warmup + args.steps]:
+        for unit in timed:
             start = time.perf_counter()
-            losses.append(step(ids))
+            losses += step(unit)
             sync()
             step_s.append(time.perf_counter() - start)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
@@ -258,8 +308,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         kernels = _profile(step, profiled, on_gpu) if args.profile_steps else {}
     else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled
         kernels = {}
-        for ids in profiled:
-            step(ids)
+        for unit in profiled:
+            step(unit)
     median_s = statistics.median(step_s)
     categories = kernel_us_by_class(kernels)  # the per-class sum; here in ms
     loss_values = [float(loss) for loss in losses]
@@ -270,7 +320,17 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         fsdp.finish()
     if rank != 0:
         return None
-    return {
+    documents: dict[str, Any] = {}
+    if provider in PACKED_PROVIDERS:
+        real = sum(batch.real_tokens for unit in timed for batch in unit)
+        positions = sum(batch.input_ids.numel() for unit in timed for batch in unit)
+        assert real == len(timed) * args.batch * args.seq  # every step: one packed batch's document tokens
+        documents = {
+            "real_tokens_per_s": args.batch * args.seq / median_s,
+            "pad_fraction": 1 - real / positions,
+            "optimizer_steps_per_step": sum(len(unit) for unit in timed) / len(timed),
+        }
+    result = {
         "provider": provider,
         "ranks": ranks,
         "tokens_per_s": ranks * args.batch * args.seq / median_s,
@@ -285,11 +345,17 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
+        **documents,
     }
+    if documents:  # every position the model ran, padding included
+        result["tokens_per_s"] = result["tokens_per_s_per_gpu"] = documents["real_tokens_per_s"] / (
+            1 - documents["pad_fraction"]
+        )
+    return result
 
 
-def _profile(step: Callable[[torch.Tensor], torch.Tensor], data: list[torch.Tensor], on_gpu: bool) -> dict[str, float]:
-    """GPU ms per step in each kernel (by name), from the profiler over the given batches."""
+def _profile(step: Callable[[list[Any]], Any], data: list[list[Any]], on_gpu: bool) -> dict[str, float]:
+    """GPU ms per step in each kernel (by name), from the profiler over the given steps (lists of batches)."""
     if not on_gpu:
         return {}
     remaining = iter(data)
@@ -305,11 +371,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, not timed")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps for the GPU-time table (0: none)")
-    p.add_argument("--providers", nargs="+", choices=sorted(PROVIDERS), default=list(DEFAULT_PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=sorted(PROVIDERS),
+                   help=f"default: {' '.join(DEFAULT_PROVIDERS)}; with --packed, {' '.join(PACKED_PROVIDERS)}")  # fmt: skip
     p.add_argument(
         "--cpp-wrapper", action="store_true", help=f"run {' '.join(CPP_WRAPPER_PROVIDERS)} (instead of --providers)"
     )
     p.add_argument("--lora", action="store_true", help=f"run {' '.join(LORA_PROVIDERS)} (instead of --providers)")
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packed documents and their padded baseline (--providers among PACKED_PROVIDERS)",
+    )
+    p.add_argument("--padded-batch", type=int, default=8, help="documents per batch of the --packed padded baseline")
     p.add_argument(
         "--loss-chunk-size",
         type=int,
@@ -330,6 +403,16 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--batch, --seq, --steps and --nproc must be >= 1; --warmup and --profile-steps >= 0"
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         return "--loss-chunk-size must be >= 1"
+    packed = [p for p in args.providers or () if p in PACKED_PROVIDERS]
+    if args.packed:
+        if args.lora or args.cpp_wrapper or args.nproc > 1 or args.attention_mask != "none":
+            return "--packed runs alone: not with --lora, --cpp-wrapper, --nproc > 1 or --attention-mask ones"
+        if args.padded_batch < 1:
+            return "--padded-batch must be >= 1"
+        if args.providers is not None and len(packed) < len(args.providers):
+            return f"--packed runs only {' '.join(PACKED_PROVIDERS)}"
+    elif packed:
+        return f"{' '.join(packed)}: only with --packed"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -343,6 +426,8 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
              args.attention_mask, "--device", args.device, "--worker", provider]  # fmt: skip
     if args.loss_chunk_size is not None:
         flags += ["--loss-chunk-size", args.loss_chunk_size]
+    if args.packed:
+        flags += ["--packed", "--padded-batch", args.padded_batch]
     module_args = ["inductor_ext.bench", "train", *map(str, flags)]
     if args.nproc > 1:
         return fsdp.launch_command(args.nproc, module_args)
@@ -350,7 +435,7 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
 
 
 def available(provider: str) -> bool:
-    if provider != "liger_eager":
+    if not provider.startswith("liger_"):
         return True
     try:
         import liger_kernel.transformers  # noqa: F401
@@ -359,24 +444,42 @@ def available(provider: str) -> bool:
     return True
 
 
-def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per provider: the ratios to ``torch_compile`` and the final loss's difference from ``hf_eager``'s
-    (with LoRA, when those did not run: to ``peft_torch_compile`` and ``peft_eager``)."""
+def references(provider: str, results: Mapping[str, Any]) -> tuple[str, str]:
+    """The providers whose speed and loss ``provider``'s are compared with: ``torch_compile`` and ``hf_eager``
+    (with LoRA, when those did not run: ``peft_torch_compile`` and ``peft_eager``; with ``--packed``:
+    ``torch_compile_packed`` and ``hf_eager_packed``, or ``hf_eager_padded`` for the padded providers)."""
+    if provider in PACKED_PROVIDERS:
+        return "torch_compile_packed", "hf_eager_padded" if provider.endswith("_padded") else "hf_eager_packed"
     compiled = "torch_compile" if "torch_compile" in results else "peft_torch_compile"
-    eager = "hf_eager" if "hf_eager" in results else "peft_eager"
-    base = results.get(compiled, {}).get("tokens_per_s")
-    reference_loss = results.get(eager, {}).get("losses", [None])[-1]
+    return compiled, "hf_eager" if "hf_eager" in results else "peft_eager"
+
+
+def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per provider: the ratios to the compiled reference's speed (real tokens/s in ``--packed``
+    runs) and the final loss's difference from the eager reference's (:func:`references`)."""
     rows = []
     for name, r in results.items():
+        compiled, eager = references(name, results)
+        packed = "real_tokens_per_s" in r
+        speed = "real_tokens_per_s" if packed else "tokens_per_s"
+        base = results.get(compiled, {}).get(speed)
+        real = (
+            {"real tokens/s": round(r["real_tokens_per_s"]), "pad %": round(100 * r["pad_fraction"], 1)}
+            if packed
+            else {}
+        )
+        reference_loss = results.get(eager, {}).get("losses", [None])[-1]
         row = {
             "provider": name,
             "tokens/s": round(r["tokens_per_s"]),
             **({"tokens/s per GPU": round(r["tokens_per_s_per_gpu"])} if r.get("ranks", 1) > 1 else {}),
-            "x torch.compile": round(r["tokens_per_s"] / base, 3) if base else None,
+            **real,
+            "x torch.compile": round(r[speed] / base, 3) if base else None,
             "peak GiB": round(r["peak_gib"], 2) if r["peak_gib"] is not None else None,
             "first step s": round(r["first_step_s"], 1),
             "final loss": round(r["losses"][-1], 4),
             "- hf_eager": round(r["losses"][-1] - reference_loss, 4) if reference_loss is not None else None,
+            **({"loss reference": eager} if name in PACKED_PROVIDERS else {}),
         }
         row.update({f"{c} ms": round(r["gpu_ms_by_category"][c], 1) for c in CATEGORIES})
         row["GPU ms"] = round(r["gpu_ms_total"], 1)
@@ -396,8 +499,10 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> No
 
     names = list(results)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    left.barh(names, [results[n]["tokens_per_s"] / 1e3 for n in names], color="tab:blue")
-    left.set_xlabel("thousand tokens / s (higher is better)")
+    real = all("real_tokens_per_s" in results[n] for n in names)
+    speed = "real_tokens_per_s" if real else "tokens_per_s"
+    left.barh(names, [results[n][speed] / 1e3 for n in names], color="tab:blue")
+    left.set_xlabel(f"thousand {'real (non-pad) ' if real else ''}tokens / s (higher is better)")
     left.invert_yaxis()
     offset = [0.0] * len(names)
     for category in CATEGORIES:
@@ -418,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (error := _check(args)) is not None:
         p.error(error)
+    if args.providers is None:
+        args.providers = list(PACKED_PROVIDERS if args.packed else DEFAULT_PROVIDERS)
     if args.cpp_wrapper:
         args.providers = list(CPP_WRAPPER_PROVIDERS)
     if args.lora:
@@ -431,11 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     stem += "_lora" if args.lora else ""
+    stem += "_packed" if args.packed else ""
     stem += f"_{args.nproc}gpu" if args.nproc > 1 else ""
     stem += f"_loss_chunk{args.loss_chunk_size}" if args.loss_chunk_size else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "loss_chunk_size": args.loss_chunk_size, "torch": torch.__version__,
+            **({"packed": True, "padded_batch": args.padded_batch, "doc_length_median": packing.DOC_LENGTH_MEDIAN,
+                "doc_length_sigma": packing.DOC_LENGTH_SIGMA, "doc_length_min": packing.DOC_LENGTH_MIN}
+               if args.packed else {}),
             "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
@@ -447,9 +558,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
             result = results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
         peak = f", {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else ""
-        print(f"{result['tokens_per_s']:,.0f} tokens/s{peak}, first step {result['first_step_s']:.1f} s", flush=True)
+        speed = f"{result['tokens_per_s']:,.0f} tokens/s"
+        if "real_tokens_per_s" in result:
+            speed = f"{result['real_tokens_per_s']:,.0f} real tokens/s ({speed})"
+        print(f"{speed}{peak}, first step {result['first_step_s']:.1f} s", flush=True)
         # written after every provider: a run stopped early keeps what it measured
-        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (args.out / f"{stem}.json").write_text(
+            json.dumps({"meta": meta, "results": results, "summary": summarize(results)}, indent=1)
+        )
     rows = summarize(results)
     print(tabulate(rows, headers="keys"))
     for name, r in results.items():
@@ -457,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
             top = [(k, v) for k, v in r["kernels_ms"].items() if kernel_class(k) == category][:6]
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
     if results and args.device == "cuda":
-        plot(results, args.out / f"{stem}.png", f"{args.model}, {args.batch} x {args.seq} tokens, bf16, AdamW")
+        documents = ", packed documents" if args.packed else ""
+        title = f"{args.model}, {args.batch} x {args.seq} tokens{documents}, bf16, AdamW"
+        plot(results, args.out / f"{stem}.png", title)
     return 0
 
 

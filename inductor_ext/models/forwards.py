@@ -5,7 +5,8 @@ Each function takes the HF module as ``self`` and is bound to one instance by
 semantics), computed by our kernels.
 """
 
-from typing import Any
+import inspect
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,66 @@ def causal_lm_loss(
     return loss
 
 
+PackedDocuments = Literal["hf", "separate"]
+PACKED_DOCUMENTS: tuple[PackedDocuments, ...] = ("hf", "separate")
+"""The values of :func:`inductor_ext.models.apply`'s ``packed_documents``."""
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""The decoder's cache argument (transformers renamed ``past_key_values`` to ``cache`` in 5.2x)."""
+
+_MASK_ONLY_CACHE: list[type] = []
+
+
+def mask_only_cache_class() -> type | None:
+    """A ``transformers.DynamicCache`` whose ``update`` stores nothing (None if this transformers has none).
+
+    Built from the model's config as transformers builds its own cache, so before the first layer it is
+    exactly the empty cache transformers' decoder would have made: the decoder's masks (which depend on
+    whether a cache is present, see :func:`causal_lm_forward`) and default positions come out the same.
+    Each attention layer's ``update`` then returns the layer's keys and values as they are, which is what
+    an empty ``DynamicCache`` returns (``cat`` of nothing and them; a sliding-window layer returns all
+    of them too, the mask does the windowing), without keeping them. Created on first use, not at import
+    (``inductor_ext`` does not import transformers).
+    """
+    if not _MASK_ONLY_CACHE:
+        try:
+            from transformers.cache_utils import DynamicCache
+        except ImportError:
+            return None
+
+        class MaskOnlyCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
+            """An empty ``DynamicCache`` that stays empty: the masks see a cache, no key or value is kept."""
+
+            def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+                return key_states, value_states
+
+        _MASK_ONLY_CACHE.append(MaskOnlyCache)
+    return _MASK_ONLY_CACHE[0]
+
+
+def decoder_cache_argument(decoder: Any) -> str | None:
+    """The name of the cache argument of ``decoder.forward`` (see :data:`CACHE_ARGUMENTS`), or None."""
+    try:
+        parameters = inspect.signature(type(decoder).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+
+
+def hf_builds_cache(decoder: Any, use_cache: bool | None) -> bool:
+    """Whether transformers' ``decoder.forward``, called with ``use_cache`` and no cache, builds a cache.
+
+    transformers' ``merge_with_config_defaults`` resolves ``use_cache``: the argument, else
+    ``config.use_cache``; then ``False`` under gradient checkpointing in training with gradients
+    enabled. The decoder builds a ``DynamicCache`` when the result is true.
+    """
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", None)
+    if use_cache and getattr(decoder, "gradient_checkpointing", False) and decoder.training and torch.is_grad_enabled():
+        return False
+    return bool(use_cache)
+
+
 def causal_lm_forward(
     self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, logits_to_keep: Any = 0, **kwargs: Any
 ) -> Any:
@@ -117,14 +178,43 @@ def causal_lm_forward(
     head dim)`` tensors per layer, 256 MiB at Llama-3.2-1B with 8192 tokens, alive at the backward's
     start, the step's peak).
 
+    Its attention masks stay transformers': transformers separates packed documents (``position_ids``
+    restarting at 0, no ``attention_mask``) only when the decoder has no cache, so where transformers
+    would have built its default cache (``use_cache`` unset, :func:`hf_builds_cache`) the decoder gets
+    an empty cache that keeps nothing (:func:`mask_only_cache_class`) instead of none; where this
+    transformers has no such cache, transformers' own forward runs the call. With
+    ``packed_documents="separate"`` (``self._fastops_packed_documents``) every call without a cache
+    object runs with ``use_cache=False``: packed documents never attend across each other.
+
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
     """
-    if labels is None or not self.training or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+    has_cache = False
+    for name in CACHE_ARGUMENTS:
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]  # so that a cache we pass is the only one named
+        has_cache = has_cache or name in kwargs
+    if self._fastops_packed_documents == "separate" and not has_cache:
+        kwargs["use_cache"] = False
+    fused = (
+        self._fastops_fused_loss
+        and labels is not None
+        and self.training
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+    )
+    mask_only_cache = None
+    if fused and not has_cache and kwargs.get("use_cache") is None and hf_builds_cache(self.model, None):
+        if self._fastops_mask_only_cache is None or self._fastops_cache_argument is None:
+            fused = False  # no cache that keeps nothing: transformers' forward, its cache included
+        else:
+            mask_only_cache = self._fastops_mask_only_cache(config=self.model.config)
+            kwargs[self._fastops_cache_argument] = mask_only_cache
+            kwargs["use_cache"] = True
+    if not fused or labels is None:  # (labels: for mypy, fused implies them)
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return_dict = kwargs.pop("return_dict", None)
-    kwargs.setdefault("use_cache", False)
     outputs = self.model(input_ids=input_ids, **kwargs)
     config = self.config
     loss = causal_lm_loss(
@@ -136,8 +226,9 @@ def causal_lm_forward(
         chunk_size=self._fastops_loss_chunk_size,
     )  # fmt: skip
     fields = {name: getattr(outputs, name, None) for name in ("hidden_states", "attentions")}
-    for cache_field in ("cache", "past_key_values"):  # transformers renamed it in 5.2x
+    for cache_field in CACHE_ARGUMENTS:
         if cache_field in CausalLMOutputWithPast.__dataclass_fields__:
-            fields[cache_field] = getattr(outputs, cache_field, None)
+            cache = getattr(outputs, cache_field, None)
+            fields[cache_field] = None if cache is mask_only_cache else cache
     result = CausalLMOutputWithPast(loss=loss, logits=None, **fields)
     return result.to_tuple() if return_dict is False else result

@@ -15,7 +15,8 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
   with a warning naming them and the reason;
 - the ``ForCausalLM`` instance: in training with labels, the LM head and the loss become one
   ``fused_linear_cross_entropy`` (``outputs.logits`` is then None: the ``(tokens, vocab)``
-  logits are never built); otherwise transformers' own forward runs.
+  logits are never built, nor transformers' default KV cache); otherwise transformers' own forward
+  runs. Attention masks stay transformers' (packed documents: ``packed_documents`` in :func:`apply`).
 
 Norms, MLPs and the causal LM are patched per instance (the instance's ``forward``), so other
 models in the process are untouched, and ``torch.compile``/``torch.export`` trace our ops.
@@ -87,6 +88,7 @@ def apply(
     lora: bool = True,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
     loss_chunk_size: int | None = None,
+    packed_documents: forwards.PackedDocuments = "hf",
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
 
@@ -99,6 +101,22 @@ def apply(
 
     ``lora=False`` leaves PEFT's LoRA layers as they are (the MLPs around them still get the fused
     activation).
+
+    ``packed_documents`` is how rows packing several documents (``position_ids`` restarting at 0
+    at each document, no ``attention_mask``) are masked:
+
+    - ``"hf"`` (default): exactly as transformers masks them for the same call. Beware:
+      transformers separates the documents (a block-diagonal causal mask) only when the decoder has
+      no KV cache, and it builds one by default (``use_cache`` unset means ``config.use_cache``,
+      True for most models, except under gradient checkpointing in training). So its plain training
+      call ``model(input_ids, position_ids=packed, labels=labels)`` lets every token attend to the
+      earlier documents of its row, a trap when training on packed rows: pass ``use_cache=False``
+      or use ``"separate"``. The fused-loss path still builds no KV cache there: the decoder gets
+      an empty cache that keeps nothing, so its masks are those of transformers' default cache.
+    - ``"separate"``: every call that passes no cache object runs with ``use_cache=False``, whatever
+      ``use_cache`` says (no cache is built or returned), so packed documents never attend across
+      each other. A call that passes a cache (``generate()`` does) is masked as transformers masks
+      it. With ``loss=False`` the causal LM's forward is still patched, to do this.
 
     Returns a :class:`PatchReport`; what was left alone is also reported by :class:`PatchWarning`s.
     Raises ``ValueError`` if the model is already patched, ``TypeError`` if it is not a module.
@@ -115,6 +133,11 @@ def apply(
     ):
         raise ValueError(
             f"inductor_ext.models.apply: loss_chunk_size must be None or a positive int, got {loss_chunk_size!r}"
+        )
+    if not isinstance(packed_documents, str) or packed_documents not in forwards.PACKED_DOCUMENTS:
+        raise ValueError(
+            f"inductor_ext.models.apply: packed_documents must be one of {forwards.PACKED_DOCUMENTS}, "
+            f"got {packed_documents!r}"
         )
     hf_model = _unwrap(model)
     if hf_model in _PATCHED:
@@ -149,17 +172,26 @@ def apply(
             _patch_lora_layer(patched, name, module)
         elif cls.__name__.endswith(("RMSNorm", "LayerNorm", "MLP")) and cls not in classes.values():
             _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
-    if loss:
+    if loss or packed_documents != "hf":
+        what = "; ".join(
+            (["the loss is left as it is"] if loss else [])
+            + ([f"packed_documents={packed_documents!r} is not applied"] if packed_documents != "hf" else [])
+        )
         if type(hf_model) is classes[family.causal_lm]:
+            decoder = getattr(hf_model, "model", None)
             attributes = {
                 "_fastops_family": family,
+                "_fastops_fused_loss": loss,
                 "_fastops_weight_grad_accumulation": weight_grad_accumulation,
                 "_fastops_loss_chunk_size": loss_chunk_size,
+                "_fastops_packed_documents": packed_documents,
+                "_fastops_mask_only_cache": forwards.mask_only_cache_class(),
+                "_fastops_cache_argument": forwards.decoder_cache_argument(decoder) if decoder is not None else None,
             }
             if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
-                report.loss = True
+                report.loss = loss
         else:
-            _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: the loss is left as it is")
+            _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: {what}")
     if rope:
         if callable(getattr(modeling, "apply_rotary_pos_emb", None)):
             original, count = _ROPE_PATCHES.get(modeling.__name__, (modeling.apply_rotary_pos_emb, 0))

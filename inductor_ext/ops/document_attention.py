@@ -161,7 +161,7 @@ def _compiled_flex() -> Any:
     """``_flex`` under ``torch.compile`` for eager callers on CUDA (FlexAttention's fused kernels exist
     only compiled; eager runs its unfused math over the whole score matrix)."""
     if not _COMPILED:
-        _COMPILED.append(torch.compile(_flex, fullgraph=True))
+        _COMPILED.append(torch.compile(_flex, fullgraph=True, dynamic=False))
     return _COMPILED[0]
 
 
