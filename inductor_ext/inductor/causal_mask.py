@@ -340,17 +340,22 @@ def _input_at(value: Any, values: Mapping[sympy.Symbol, int], *, ones: bool) -> 
     return value
 
 
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """Where an SDPA mask lets a query attend: a boolean mask itself, a float mask's zeros (None if a
+    float mask holds anything but 0 and ``-inf``/the dtype's lowest value, or the dtype is neither)."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.dtype.is_floating_point:
+        return None
+    blocked = mask <= torch.finfo(mask.dtype).min
+    return ~blocked if bool(((mask == 0) | blocked).all()) else None
+
+
 def _equals_causal(mask: torch.Tensor, length_q: int, length_k: int) -> bool:
     if mask.dim() < 2 or mask.shape[-2] not in (1, length_q) or mask.shape[-1] not in (1, length_k):
         return False
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.dtype.is_floating_point:
-        blocked = mask <= torch.finfo(mask.dtype).min
-        if not bool(((mask == 0) | blocked).all()):
-            return False
-        allowed = ~blocked
-    else:
+    allowed = _allowed(mask)
+    if allowed is None:
         return False
     causal = torch.ones(length_q, length_k, dtype=torch.bool, device=mask.device).tril()
     return bool((allowed == causal).all())

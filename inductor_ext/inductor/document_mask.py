@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 from inductor_ext.inductor.causal_mask import (
     _RANDOM_WORDS,
     SDPA_TARGETS,
+    _allowed,
     _ancestors,
     _check_no_side_effects,
     _concrete,
@@ -192,14 +193,8 @@ def _equals_document_causal(mask: torch.Tensor, positions: torch.Tensor) -> bool
     batch, length = positions.shape
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[-2:]) != (length, length):
         return False
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.dtype.is_floating_point:
-        blocked = mask <= torch.finfo(mask.dtype).min
-        if not bool(((mask == 0) | blocked).all()):
-            return False
-        allowed = ~blocked
-    else:
+    allowed = _allowed(mask)
+    if allowed is None:
         return False
     expected = document_causal_mask_ref(positions.to(mask.device))
     return bool((allowed == expected).all())

@@ -10,23 +10,15 @@ from torch._dynamo.utils import counters
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.train import build_model
 from inductor_ext.ops.document_attention import document_causal_attention, document_causal_mask_ref
+from tests.packed_positions import random_packed_positions
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
 
 
-def _positions(batch: int, length: int, seed: int, longest: int = 300) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batch):
-        pieces, total = [], 0
-        while total < length:
-            size = min(int(torch.randint(1, longest, (1,), generator=generator)), length - total)
-            pieces.append(torch.arange(size))
-            total += size
-        rows.append(torch.cat(pieces))
-    return torch.stack(rows).cuda()
+def _positions(batch: int, length: int, seed: int) -> torch.Tensor:
+    return random_packed_positions(batch, length, torch.Generator().manual_seed(seed), longest=300).cuda()
 
 
 def _step(model, **kwargs):

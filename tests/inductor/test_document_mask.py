@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 
 from inductor_ext.inductor.causal_mask import SDPA_TARGETS, rewrite_causal_masks
 from inductor_ext.inductor.document_mask import rewrite_document_masks
-from inductor_ext.ops.document_attention import document_causal_attention
+from inductor_ext.ops.document_attention import document_causal_attention, document_ids
+from tests.packed_positions import packed_positions
 
 
 @pytest.fixture
@@ -29,10 +30,6 @@ def _hf_model(family: str = "llama", **overrides):
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common)).train()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).train()
-
-
-def _packed_positions(lengths_per_row: list[list[int]]) -> torch.Tensor:
-    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row])
 
 
 def _capture(model, **kwargs):
@@ -66,7 +63,7 @@ def _assert_same_training(model, compiled, **kwargs):
 
 def test_hf_packed_document_mask_is_rewritten(materialised_hf_mask):
     model = _hf_model()
-    positions = _packed_positions([[5, 1, 9, 9], [24]])
+    positions = packed_positions([[5, 1, 9, 9], [24]])
     ids = torch.randint(0, 128, positions.shape)
     kwargs = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
 
@@ -89,7 +86,7 @@ def test_backend_trains_packed_rows_as_hf_with_no_recompile(materialised_hf_mask
         while total < 40:
             lengths.append(min(int(torch.randint(1, 15, (1,), generator=generator)), 40 - total))
             total += lengths[-1]
-        positions = _packed_positions([lengths, lengths[::-1]])
+        positions = packed_positions([lengths, lengths[::-1]])
         ids = torch.randint(0, 128, positions.shape)
         _assert_same_training(model, compiled, input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
     assert counters["inductor_ext"]["rewrite_document_mask"] == 2
@@ -101,7 +98,7 @@ def test_hf_default_cache_keeps_documents_attending_across(materialised_hf_mask)
     """With ``use_cache`` unset transformers builds a KV cache and no document mask: the causal rewrite
     applies, the document rewrite has nothing to do (HF's semantics kept)."""
     model = _hf_model()
-    positions = _packed_positions([[6, 6, 6]])
+    positions = packed_positions([[6, 6, 6]])
     ids = torch.randint(0, 128, positions.shape)
     output, causal, document, _ = _capture(model, input_ids=ids, position_ids=positions, labels=ids)
     assert causal.rewritten == 2 and document.rewritten == 0
@@ -122,7 +119,7 @@ def test_padding_mask_is_kept(materialised_hf_mask):
 def test_packed_rows_with_an_attention_mask_are_kept(materialised_hf_mask):
     """transformers ignores packing when an attention_mask is given: a padding mask, kept."""
     model = _hf_model()
-    positions = _packed_positions([[5, 7]])
+    positions = packed_positions([[5, 7]])
     ids = torch.randint(0, 128, positions.shape)
     kwargs = {"input_ids": ids, "position_ids": positions, "attention_mask": torch.ones_like(ids), "labels": ids,
               "use_cache": False}  # fmt: skip
@@ -133,16 +130,12 @@ def test_packed_rows_with_an_attention_mask_are_kept(materialised_hf_mask):
 
 def test_sliding_window_document_mask_is_kept(materialised_hf_mask):
     model = _hf_model("mistral", sliding_window=4)
-    positions = _packed_positions([[10, 14]])
+    positions = packed_positions([[10, 14]])
     ids = torch.randint(0, 128, positions.shape)
     kwargs = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
     output, _, document, _ = _capture(model, **kwargs)
     assert document.rewritten == 0 and all("not document_causal" in r for r in document.kept.values())
     torch.testing.assert_close(output.loss, model(**kwargs).loss)
-
-
-def _documents(positions):
-    return (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +154,7 @@ def test_hand_written_masks(spelling):
         if spelling == "zero_starts":
             doc = (positions == 0).cumsum(-1)
         else:
-            doc = _documents(positions)
+            doc = document_ids(positions)
         same = doc[:, :, None] == doc[:, None, :]
         if spelling == "strictly_causal":
             causal = index[:, None] > index[None, :]
@@ -179,7 +172,7 @@ def test_hand_written_masks(spelling):
         return gm.forward
 
     q, k, v = (torch.randn(2, 4, 20, 8) for _ in range(3))
-    positions = _packed_positions([[7, 13], [20]])
+    positions = packed_positions([[7, 13], [20]])
     user_mask = torch.rand(2, 1, 20, 20) > 0.3
     user_mask[..., 0] = True
     torch._dynamo.reset()

@@ -14,23 +14,12 @@ from inductor_ext.ops.document_attention import (
     document_causal_mask_ref,
     document_ids,
 )
-
-
-def _random_positions(batch: int, length: int, generator: torch.Generator, longest: int = 60) -> torch.Tensor:
-    rows = []
-    for _ in range(batch):
-        pieces, total = [], 0
-        while total < length:
-            size = min(int(torch.randint(1, longest, (1,), generator=generator)), length - total)
-            pieces.append(torch.arange(size))
-            total += size
-        rows.append(torch.cat(pieces))
-    return torch.stack(rows)
+from tests.packed_positions import random_packed_positions
 
 
 def test_document_ids_are_transformers_packed_sequence_indices():
     generator = torch.Generator().manual_seed(0)
-    positions = _random_positions(3, 200, generator)
+    positions = random_packed_positions(3, 200, generator)
     positions[1, 50:60] += 4  # a jump inside a document starts a new one, as in transformers
     assert torch.equal(document_ids(positions), find_packed_sequence_indices(positions))
 
@@ -40,7 +29,7 @@ def test_document_ids_are_transformers_packed_sequence_indices():
 def test_block_tables_match_create_block_mask(length, block_size):
     generator = torch.Generator().manual_seed(length)
     for longest in (2, 40, 400):
-        positions = _random_positions(2, length, generator, longest)
+        positions = random_packed_positions(2, length, generator, longest)
         doc = document_ids(positions)
         kv_num, kv_idx, full_num, full_idx = document_block_tables(doc, block_size)
         expected = create_block_mask(
@@ -67,7 +56,7 @@ def _reference(q, k, v, positions, **kwargs):
 def test_flex_forward_matches_float64_reference():
     """FlexAttention's unfused CPU math on our block mask (CPU flex has no backward)."""
     generator = torch.Generator().manual_seed(1)
-    positions = _random_positions(2, 300, generator)
+    positions = random_packed_positions(2, 300, generator)
     q, k, v = _qkv(2, 4, 2, 300, 16, grad=False)
     out = document_causal_attention(q, k, v, positions, enable_gqa=True, use_flex=True)
     expected = _reference(*(t.double() for t in (q, k, v)), positions, enable_gqa=True)
@@ -77,7 +66,7 @@ def test_flex_forward_matches_float64_reference():
 def test_flex_forward_and_backward_under_make_fx():
     """The path the backend's rewrite takes: AOTAutograd traces the higher-order op, forward and backward."""
     generator = torch.Generator().manual_seed(2)
-    positions = _random_positions(1, 200, generator)
+    positions = random_packed_positions(1, 200, generator)
     q, k, v = _qkv(1, 4, 2, 200, 16)
     grad = torch.randn(1, 4, 200, 16)
 
@@ -96,7 +85,7 @@ def test_flex_forward_and_backward_under_make_fx():
 
 def test_cpu_path_gradients_match_float64_reference():
     generator = torch.Generator().manual_seed(3)
-    positions = _random_positions(2, 77, generator, longest=20)
+    positions = random_packed_positions(2, 77, generator, longest=20)
     q, k, v = _qkv(2, 4, 4, 77, 8)
     grad = torch.randn(2, 4, 77, 8)
     got = torch.autograd.grad(document_causal_attention(q, k, v, positions), (q, k, v), grad)
