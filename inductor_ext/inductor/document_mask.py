@@ -117,11 +117,6 @@ def _prove_document_causal(gm: GraphModule, sdpa: Node, args: Mapping[str, Any])
         raise _NotCausal("query and key lengths differ (a KV cache)")
     if traced.dim() != 2 or [str(s) for s in traced.shape] != [str(query.shape[0]), str(query.shape[-2])]:
         raise _NotCausal(f"{positions.name} is not (batch, query length)")
-    if query.device.type == "cuda" and str(query.shape[0]) != "1":
-        # Measured on the H200 (torch 2.11): with more than one packed row per batch the compiled
-        # FlexAttention gave wrong gradients (tiny Llama, 2 x 1000) and a NaN loss (Llama-1B, 4 x 2048);
-        # one row matched eager HF. Until that is understood only single-row batches are rewritten.
-        raise _NotCausal("more than one packed row per batch (not yet rewritten on CUDA)")
     _check_no_side_effects(nodes, sdpa)
     for values in _size_assignments(nodes, args):
         batch, length = (_concrete(s, values) for s in traced.shape)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inductor_ext.models import attention
+from inductor_ext.ops.document_attention import document_ids
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
@@ -166,6 +168,20 @@ def hf_builds_cache(decoder: Any, use_cache: bool | None) -> bool:
     return bool(use_cache)
 
 
+def hf_masks_documents(model: Any, kwargs: dict[str, Any], has_cache: bool) -> bool:
+    """Whether transformers masks this call (``model(**kwargs)``, no cache object passed unless
+    ``has_cache``) with the packed-document mask: ``(B, S)`` ``position_ids``, no ``attention_mask``,
+    and no KV cache in the decoder (transformers' ``_preprocess_mask_arguments``). In eager mode rows
+    that each hold one document are not (transformers then builds the plain causal mask, as
+    ``find_packed_sequence_indices`` finds no packing; it skips that check when traced)."""
+    positions = kwargs.get("position_ids")
+    if has_cache or kwargs.get("attention_mask") is not None or not isinstance(positions, Tensor):
+        return False
+    if positions.dim() != 2 or hf_builds_cache(model.model, kwargs.get("use_cache")):
+        return False
+    return torch.compiler.is_compiling() or not bool((document_ids(positions)[:, -1] == 0).all())
+
+
 def causal_lm_forward(
     self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, logits_to_keep: Any = 0, **kwargs: Any
 ) -> Any:
@@ -184,7 +200,10 @@ def causal_lm_forward(
     an empty cache that keeps nothing (:func:`mask_only_cache_class`) instead of none; where this
     transformers has no such cache, transformers' own forward runs the call. With
     ``packed_documents="separate"`` (``self._fastops_packed_documents``) every call without a cache
-    object runs with ``use_cache=False``: packed documents never attend across each other.
+    object runs with ``use_cache=False``: packed documents never attend across each other. Where
+    transformers masks the documents (:func:`hf_masks_documents`) and the layers run
+    :data:`~inductor_ext.models.attention.ATTENTION`, the layers get the positions and attend
+    block-sparsely (:mod:`inductor_ext.models.attention`).
 
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
     """
@@ -210,6 +229,10 @@ def causal_lm_forward(
             mask_only_cache = self._fastops_mask_only_cache(config=self.model.config)
             kwargs[self._fastops_cache_argument] = mask_only_cache
             kwargs["use_cache"] = True
+    if self.config._attn_implementation == attention.ATTENTION and hf_masks_documents(
+        self, kwargs, has_cache or mask_only_cache is not None
+    ):
+        kwargs[attention.DOCUMENT_POSITIONS] = kwargs["position_ids"]
     if not fused or labels is None:  # (labels: for mypy, fused implies them)
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -16,7 +16,11 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
 - the ``ForCausalLM`` instance: in training with labels, the LM head and the loss become one
   ``fused_linear_cross_entropy`` (``outputs.logits`` is then None: the ``(tokens, vocab)``
   logits are never built, nor transformers' default KV cache); otherwise transformers' own forward
-  runs. Attention masks stay transformers' (packed documents: ``packed_documents`` in :func:`apply`).
+  runs. Attention masks stay transformers' (packed documents: ``packed_documents`` in :func:`apply`);
+- attention (``attention=True``, an ``"sdpa"`` causal LM whose forward is patched): the model's
+  ``attn_implementation`` becomes :data:`~inductor_ext.models.attention.ATTENTION`, transformers'
+  SDPA on transformers' masks except for calls transformers masks as packed documents, which run
+  block-sparse document attention (:mod:`inductor_ext.models.attention`); restored on unapply.
 
 Norms, MLPs and the causal LM are patched per instance (the instance's ``forward``), so other
 models in the process are untouched, and ``torch.compile``/``torch.export`` trace our ops.
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from inductor_ext.models import attention as attention_interface
 from inductor_ext.models import forwards, peft_lora
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
 from inductor_ext.ops.fused_linear_cross_entropy import WEIGHT_GRAD_ACCUMULATIONS, WeightGradAccumulation
@@ -54,6 +59,8 @@ class PatchReport:
     mlps: list[str] = dataclasses.field(default_factory=list)
     rope: bool = False
     loss: bool = False
+    attention: bool = False
+    """The model runs :data:`~inductor_ext.models.attention.ATTENTION` (packed rows block-sparse)."""
     lora: list[str] = dataclasses.field(default_factory=list)
     """PEFT ``lora.Linear`` layers running the fused ``lora_linear``."""
     lora_mlps: list[str] = dataclasses.field(default_factory=list)
@@ -62,7 +69,7 @@ class PatchReport:
     """Module name (or what) -> why it was left as it is."""
 
     def __bool__(self) -> bool:
-        return bool(self.norms or self.mlps or self.rope or self.loss or self.lora)
+        return bool(self.norms or self.mlps or self.rope or self.loss or self.attention or self.lora)
 
 
 @dataclasses.dataclass
@@ -71,6 +78,8 @@ class _Patched:
     instances: list[tuple[torch.nn.Module, tuple[str, ...]]]
     """(module, instance attributes set on it)."""
     rope_module: Any = None
+    attention_implementation: str | None = None
+    """The ``attn_implementation`` the model had before :data:`~inductor_ext.models.attention.ATTENTION`."""
 
 
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Patched]" = weakref.WeakKeyDictionary()
@@ -86,6 +95,7 @@ def apply(
     rope: bool = True,
     loss: bool = True,
     lora: bool = True,
+    attention: bool = True,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
     loss_chunk_size: int | None = None,
     packed_documents: forwards.PackedDocuments = "hf",
@@ -98,6 +108,10 @@ def apply(
     no accumulator, one rounding per chunk). ``loss_chunk_size`` is its rows of logits per chunk
     (default: the mode's, ``H`` rows for ``"fp32"``, ``H / 4`` for ``"weight_dtype"``): fewer rows
     hold less memory at the loss and read and write the weight gradient more often.
+
+    ``attention=False`` keeps the model's ``attn_implementation`` (packed rows then run transformers'
+    materialised document mask in eager mode; under ``fastops_inductor`` the backend's document-mask
+    rewrite still finds it).
 
     ``lora=False`` leaves PEFT's LoRA layers as they are (the MLPs around them still get the fused
     activation).
@@ -172,9 +186,10 @@ def apply(
             _patch_lora_layer(patched, name, module)
         elif cls.__name__.endswith(("RMSNorm", "LayerNorm", "MLP")) and cls not in classes.values():
             _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
-    if loss or packed_documents != "hf":
+    if loss or attention or packed_documents != "hf":
         what = "; ".join(
             (["the loss is left as it is"] if loss else [])
+            + (["attention is left as it is"] if attention else [])
             + ([f"packed_documents={packed_documents!r} is not applied"] if packed_documents != "hf" else [])
         )
         if type(hf_model) is classes[family.causal_lm]:
@@ -190,6 +205,8 @@ def apply(
             }
             if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
                 report.loss = loss
+                if attention:
+                    _patch_attention(patched, hf_model)
         else:
             _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: {what}")
     if rope:
@@ -212,6 +229,8 @@ def unapply(model: torch.nn.Module) -> None:
     for module, attributes in patched.instances:
         for attribute in attributes:
             delattr(module, attribute)
+    if patched.attention_implementation is not None:
+        hf_model.set_attn_implementation(patched.attention_implementation)  # type: ignore[operator]  # transformers'
     if patched.rope_module is not None:
         name = patched.rope_module.__name__
         original, count = _ROPE_PATCHES[name]
@@ -252,6 +271,17 @@ def _set_forward(patched: _Patched, name: str, module: torch.nn.Module, forward:
     module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]  # per instance, on purpose
     patched.instances.append((module, ("forward", *attributes)))
     return True
+
+
+def _patch_attention(patched: _Patched, model: torch.nn.Module) -> None:
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != "sdpa":  # the user's choice (flash attention reads packed positions itself): no warning
+        patched.report.skipped["attention"] = f"attn_implementation is {current!r}, not 'sdpa': left as it is"
+    elif not callable(getattr(model, "set_attn_implementation", None)) or not attention_interface.register():
+        _warn(patched.report, "attention", "this transformers has no attention interface to register with")
+    else:
+        model.set_attn_implementation(attention_interface.ATTENTION)  # type: ignore[operator]  # transformers'
+        patched.attention_implementation, patched.report.attention = current, True
 
 
 def _patch_norm(patched: _Patched, name: str, module: torch.nn.Module, family: Family) -> None:

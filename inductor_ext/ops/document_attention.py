@@ -47,10 +47,9 @@ def document_causal_mask_ref(position_ids: Tensor) -> Tensor:
     return (causal[None] & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
-def document_block_tables(doc: Tensor, block_size: int = BLOCK_SIZE) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of the block mask of
-    ``document_causal`` over document ids ``doc`` (``(B, S)``, non-decreasing along each row), each
-    with a head dimension of 1, as ``BlockMask.from_kv_blocks`` takes them.
+def document_block_masks(doc: Tensor, block_size: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+    """``(partial, full)``: ``(B, 1, S/block_size, S/block_size)`` booleans over (query block, key block) of
+    ``document_causal`` over document ids ``doc`` (``(B, S)``, non-decreasing along each row).
 
     Query block ``i`` and key block ``j`` hold a pair of one document iff ``j <= i`` and the key
     block's last document is not before the query block's first (documents only grow along a row).
@@ -73,15 +72,55 @@ def document_block_tables(doc: Tensor, block_size: int = BLOCK_SIZE) -> tuple[Te
         & (one_doc[:, :, None] & one_doc[:, None, :])
         & (q_first == first[:, None, :])
     )
-    partial = touching & ~full
-    return (*_ordered(partial), *_ordered(full))
+    return (touching & ~full)[:, None], full[:, None]
 
 
 def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """Per query block, the count of set key blocks and their indices first (``(B, 1, ...)`` int32)."""
+    """Per row of ``blocks`` (``(..., N)`` booleans): the count of set entries (int32), and their column
+    indices in ascending order, then zeros (``(..., N)`` int32).
+
+    Without a sort. Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
+    tables) inside the compiled graph, FlexAttention on the H200 (torch 2.11) gave wrong rows for some
+    packings with several rows per batch (the last row of a 4 x 512 batch 8% off, a NaN loss at
+    Llama-1B 4 x 2048), while ``create_block_mask``'s tables gave the right ones; the fault was not
+    isolated (the compiled ``argsort`` alone matched eager). These tables match, and the attention
+    with them matches float64 there.
+
+    With ``rank[j]`` the number of set entries up to column ``j`` (non-decreasing), the columns before
+    the ``k``-th set one (from 0) are those with ``rank <= k``: their count is its index.
+    """
+    width = blocks.shape[-1]
     count = blocks.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count[:, None], indices[:, None]
+    rank = blocks.cumsum(-1, dtype=torch.int32)
+    slot = torch.arange(width, dtype=torch.int32, device=blocks.device)
+    indices = (rank[..., None, :] <= slot[:, None]).sum(-1, dtype=torch.int32)
+    return count, torch.where(slot < count[..., None], indices, 0)
+
+
+def document_block_mask(doc: Tensor, mask_mod: Any, block_size: int = BLOCK_SIZE) -> Any:
+    """The FlexAttention ``BlockMask`` of ``document_causal`` over ``doc``, key and query tables alike
+    built by :func:`_ordered` (the query tables, for the backward, from the transposed block masks)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = document_block_masks(doc, block_size)
+    kv_num, kv_indices = _ordered(partial)
+    full_kv_num, full_kv_indices = _ordered(full)
+    q_num, q_indices = _ordered(partial.transpose(-1, -2))
+    full_q_num, full_q_indices = _ordered(full.transpose(-1, -2))
+    length = doc.shape[1]
+    return BlockMask(
+        seq_lengths=(length, length),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_num,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+    )
 
 
 def _document_causal_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor, doc: Tensor) -> Tensor:
@@ -129,18 +168,15 @@ def _flex(query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, scale
     backend's rewrite, export): the higher-order op itself, with ``doc`` passed as the mask
     function's buffer argument, so it is traced as an input and not as a closed-over constant.
     """
-    from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options, flex_attention
+    from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attention
 
     doc = document_ids(position_ids)
-    length = query.shape[-2]
     gqa = query.shape[1] != key.shape[1]
 
     def document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return _document_causal_mod(b, h, q, kv, doc)
 
-    block_mask = BlockMask.from_kv_blocks(
-        *document_block_tables(doc), BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_causal, seq_lengths=(length, length)
-    )
+    block_mask = document_block_mask(doc, document_causal)
     if torch.compiler.is_dynamo_compiling():
         out = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
         assert isinstance(out, Tensor)

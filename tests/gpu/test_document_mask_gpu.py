@@ -36,7 +36,7 @@ def test_packed_training_step_runs_flex_attention_as_hf(tmp_path, monkeypatch):
     stock = torch.compile(model, backend="inductor", fullgraph=True)
     ours = torch.compile(model, backend="fastops_inductor", fullgraph=True)
     for seed in range(5):
-        positions = _positions(1, 1000, seed)  # one row: see document_mask's CUDA batch limit
+        positions = torch.cat([_positions(1, 1000, 2 * seed + row) for row in range(2)])
         ids = torch.randint(0, model.config.vocab_size, positions.shape, device="cuda")
         kwargs = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
         eager_loss, eager_grads = _step(model, **kwargs)
@@ -49,7 +49,34 @@ def test_packed_training_step_runs_flex_attention_as_hf(tmp_path, monkeypatch):
     assert not counters["recompiles"]
 
 
-@pytest.mark.parametrize(("batch", "length"), [(2, 777), (1, 4096)])
+def test_patched_model_on_packed_rows_runs_document_attention_as_hf(tmp_path, monkeypatch):
+    """``models.apply``'s attention on two packed rows: eager (compiled FlexAttention) and under the
+    backend (Dynamo traces FlexAttention), each within bf16 noise of transformers' masked SDPA."""
+    from inductor_ext import models
+
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    reference = build_model("tiny-llama", "cuda", torch.bfloat16)
+    exact = build_model("tiny-llama", "cuda", torch.float32)
+    exact.load_state_dict(reference.state_dict())
+    patched = build_model("tiny-llama", "cuda", torch.bfloat16)
+    patched.load_state_dict(reference.state_dict())
+    assert models.apply(patched).attention
+    compiled = torch.compile(patched, backend="fastops_inductor", fullgraph=True)
+    for seed in range(2):
+        positions = torch.cat([_positions(1, 1024, 2 * seed + row) for row in range(2)])
+        ids = torch.randint(0, reference.config.vocab_size, positions.shape, device="cuda")
+        kwargs = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
+        exact_loss, exact_grads = _step(exact, **kwargs)
+        hf_loss, hf_grads = _step(reference, **kwargs)
+        for model in (patched, compiled):
+            loss, grads = _step(model, **kwargs)
+            assert abs(loss - exact_loss) <= 2 * abs(hf_loss - exact_loss) + 1e-2 * abs(exact_loss)
+            for got, base, want in zip(grads, hf_grads, exact_grads, strict=True):
+                assert rel_err(got, want) <= 2 * rel_err(base, want) + 1e-2
+
+
+@pytest.mark.parametrize(("batch", "length"), [(2, 777), (4, 512), (1, 4096)])
 def test_document_attention_matches_float64(batch, length):
     positions = torch.cat([_positions(1, length, seed) for seed in range(batch)])
     q = torch.randn(batch, 8, length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

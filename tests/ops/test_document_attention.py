@@ -1,5 +1,5 @@
-"""Document-causal attention (inductor_ext.ops.document_attention): the block tables against
-FlexAttention's own ``create_block_mask``, the attention against float64 masked SDPA, bad inputs."""
+"""Document-causal attention (inductor_ext.ops.document_attention): the block mask (key and query
+tables) against FlexAttention's own ``create_block_mask``, the attention against float64 masked SDPA, bad inputs."""
 
 import pytest
 import torch
@@ -9,7 +9,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 from transformers.masking_utils import find_packed_sequence_indices
 
 from inductor_ext.ops.document_attention import (
-    document_block_tables,
+    _document_causal_mod,
+    _ordered,
+    document_block_mask,
     document_causal_attention,
     document_causal_mask_ref,
     document_ids,
@@ -26,22 +28,38 @@ def test_document_ids_are_transformers_packed_sequence_indices():
 
 @pytest.mark.parametrize("length", [1, 127, 128, 300, 513])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_block_tables_match_create_block_mask(length, block_size):
+def test_block_mask_matches_create_block_mask(length, block_size):
+    """Key tables (forward) and query tables (backward), counts equal and the same blocks listed."""
     generator = torch.Generator().manual_seed(length)
-    for longest in (2, 40, 400):
-        positions = random_packed_positions(2, length, generator, longest)
+    for batch, longest in ((2, 2), (2, 40), (4, 400), (3, 300)):
+        positions = random_packed_positions(batch, length, generator, longest)
         doc = document_ids(positions)
-        kv_num, kv_idx, full_num, full_idx = document_block_tables(doc, block_size)
+        ours = document_block_mask(doc, _document_causal_mod, block_size)
         expected = create_block_mask(
-            lambda b, h, q, kv, doc=doc: (q >= kv) & (doc[b, q] == doc[b, kv]), 2, None, length, length, device="cpu",
-            BLOCK_SIZE=block_size,
+            lambda b, h, q, kv, doc=doc: (q >= kv) & (doc[b, q] == doc[b, kv]), batch, None, length, length,
+            device="cpu", BLOCK_SIZE=block_size,
         )  # fmt: skip
-        assert torch.equal(kv_num, expected.kv_num_blocks) and torch.equal(full_num, expected.full_kv_num_blocks)
-        for count, got, want in ((kv_num, kv_idx, expected.kv_indices), (full_num, full_idx, expected.full_kv_indices)):
-            for b in range(2):
+        tables = ("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")
+        tables += ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")
+        for count_name, indices_name in tables:
+            count, got, want = (getattr(ours, count_name), getattr(ours, indices_name), getattr(expected, indices_name))
+            assert torch.equal(count, getattr(expected, count_name)), count_name
+            for b in range(batch):
                 for row in range(count.shape[-1]):
                     n = int(count[b, 0, row])
-                    assert set(got[b, 0, row, :n].tolist()) == set(want[b, 0, row, :n].tolist())
+                    assert got[b, 0, row, :n].tolist() == sorted(want[b, 0, row, :n].tolist()), indices_name
+
+
+def test_ordered_lists_set_columns_in_order_without_a_sort():
+    generator = torch.Generator().manual_seed(5)
+    blocks = torch.rand(3, 1, 9, 9, generator=generator) < 0.4
+    blocks[0, 0, 0] = False  # an empty row
+    blocks[0, 0, 1] = True  # a full row
+    count, indices = _ordered(blocks)
+    for row, n, listed in zip(blocks.flatten(0, 2), count.flatten(), indices.flatten(0, 2), strict=True):
+        columns = row.nonzero().flatten().tolist()
+        assert int(n) == len(columns) and listed.tolist() == columns + [0] * (9 - len(columns))
+    assert count.dtype == indices.dtype == torch.int32
 
 
 def _qkv(batch, heads, kv_heads, length, dim, dtype=torch.float32, grad=True):
