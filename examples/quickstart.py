@@ -200,21 +200,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
-    device, on_cuda = torch.device(args.device), args.device == "cuda"
+    with tempfile.TemporaryDirectory(prefix="inductor_ext_quickstart_") as workdir:
+        # a throwaway tuning database (for the tuner and the backend) and package, removed at exit
+        os.environ["INDUCTOR_EXT_CACHE_DIR"] = workdir
+        return demo(args.device, Path(workdir))
+
+
+def demo(device_name: str, workdir: Path) -> int:
+    device, on_cuda = torch.device(device_name), device_name == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    config, batch, seq = config_for(args.device)
-    workdir = Path(tempfile.mkdtemp(prefix="inductor_ext_quickstart_"))
-    os.environ["INDUCTOR_EXT_CACHE_DIR"] = str(workdir)  # a throwaway tuning database, for the tuner and the backend
+    config, batch, seq = config_for(device_name)
     print(f"device {device}, {dtype}, {config['layers']} layers x hidden {config['hidden']}, "
-          f"{batch}x{seq} tokens; tuning database and package in {workdir}")  # fmt: skip
+          f"{batch}x{seq} tokens; tuning database and package in {workdir} (removed at exit)")  # fmt: skip
 
     # 1. Tune from shapes alone, before any compile
     print("\n== 1. python -m inductor_ext.autotune tune --entry quickstart:tuning_entry")
-    env = {**os.environ, "QUICKSTART_DEVICE": args.device, "QUICKSTART_DTYPE": str(dtype).removeprefix("torch."),
+    env = {**os.environ, "QUICKSTART_DEVICE": device_name, "QUICKSTART_DTYPE": str(dtype).removeprefix("torch."),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "quickstart:tuning_entry",
-                    "--device", args.device], env=env, check=True)  # fmt: skip
+                    "--device", device_name], env=env, check=True)  # fmt: skip
     print(f"({time.perf_counter() - start:.1f} s)")
 
     # 2. torch.compile with the backend, on the unmodified HF spelling

@@ -1,4 +1,4 @@
-"""Build and call the C++ AOTInductor runner (``csrc/aoti_runner.cpp``) from Python.
+"""Build and call the C++ AOTInductor runner (``inductor_ext/csrc/aoti_runner.cpp``) from Python.
 
 The runner loads a ``.pt2`` package with ``torch::inductor::AOTIModelPackageLoader``
 and runs it with no Python in the process; these helpers build it with CMake against
@@ -20,7 +20,7 @@ import torch
 from inductor_ext.tensor_file import read_tensors, write_tensors
 from inductor_ext.tuning.database import cache_dir
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +33,7 @@ class RunnerResult:
 def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path:
     """Path of the ``aoti_runner`` executable, building it with CMake if needed (~20 s)."""
     if not (source_dir / "CMakeLists.txt").is_file():
-        raise FileNotFoundError(
-            f"build_runner: no CMakeLists.txt in {source_dir}; the C++ runner builds from a source checkout"
-        )
+        raise FileNotFoundError(f"build_runner: no CMakeLists.txt in {source_dir}; the package ships its sources there")
     build_dir = build_dir or cache_dir() / f"aoti_runner-torch{torch.__version__}"
     executable = build_dir / "aoti_runner"
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The tensor file format the C++ runner (``csrc/aoti_runner.cpp``) reads and writes.
+"""The tensor file format the C++ runner (``inductor_ext/csrc/aoti_runner.cpp``) reads and writes.
 
 Little-endian: ``b"FOTF"``, uint32 count, then per tensor: uint32 dtype code, uint32
 ndim, int64 sizes[ndim] and the contiguous data (CPU). Small and dependency-free on
@@ -13,7 +13,7 @@ import torch
 
 MAGIC = b"FOTF"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
-"""Position = the dtype code (must match kDtypes in csrc/aoti_runner.cpp)."""
+"""Position = the dtype code (must match kDtypes in inductor_ext/csrc/aoti_runner.cpp)."""
 
 
 def write_tensors(path: str | Path, tensors: Sequence[torch.Tensor]) -> None:

@@ -1,3 +1,3 @@
-"""The package version (one place; setup.py and the caches read it)."""
+"""The package version (one place; pyproject.toml and the caches read it)."""
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """The repository passes its linters and cites no work sessions or issue numbers.
 
-``ruff check``, ``ruff format --check`` and ``mypy inductor_ext`` (settings in ruff.toml and
-mypy.ini; versions pinned in setup.py's ``test`` extra) run on the checkout as CI runs the
+``ruff check``, ``ruff format --check`` and ``mypy inductor_ext`` (settings and the pinned
+versions in pyproject.toml) run on the checkout as CI runs the
 tests. Tracked text files state facts, not the history of the work: no "session N" or
 "issue N"; upstream issues are cited as ``owner/repo#N``.
 """

@@ -1,4 +1,4 @@
-"""``inductor_ext.export`` / ``load`` and the C++ runner (``csrc/aoti_runner.cpp``) on CPU.
+"""``inductor_ext.export`` / ``load`` and the C++ runner (``inductor_ext/csrc/aoti_runner.cpp``) on CPU.
 
 A Llama-style block using our RMSNorm (and SwiGLU) is exported to a ``.pt2`` package,
 loaded from Python, and run by the C++ runner in a separate process with no Python;

@@ -245,9 +245,10 @@ def _hf_llama(node: Node) -> Node | None:
         operands = _binary_operands(node, _MUL, "mul")
         if operands is None:
             return None
-        for weight, inner in (operands, operands[::-1]):
+        for candidate, inner in (operands, operands[::-1]):
             cast = _dtype_cast(inner)
             if cast is not None:
+                weight = candidate
                 break
         else:
             return None

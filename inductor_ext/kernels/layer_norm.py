@@ -185,7 +185,7 @@ def layer_norm_bwd_kernel(
             x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
                 X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M
             )
-        for block in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+        for _block in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs):
             if PREFETCH:
                 # software pipelining by hand: the next block's loads are issued
                 # before this block's reductions, so a program always has a row in flight

@@ -170,7 +170,7 @@ def rms_norm_bwd_kernel(
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         if PREFETCH:
             x_next, dy_next, rstd_next = _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
-        for block in tl.range(pid, num_blocks, num_programs):
+        for _block in tl.range(pid, num_blocks, num_programs):
             if PREFETCH:
                 # software pipelining by hand: the next block's loads are issued
                 # before this block's reductions, so a program always has a row in flight

@@ -159,7 +159,6 @@ def apply(
     model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     report = PatchReport(family=model_type if family else None)
-    patched = _PATCHED[hf_model] = _Patched(report, [])  # even when nothing is patched: unapply stays symmetric
     if family is None:
         known = ", ".join(sorted(FAMILIES))
         _warn(report, type(hf_model).__name__, f"unknown model family {model_type!r} (known: {known}); nothing patched")
@@ -175,6 +174,7 @@ def apply(
     if missing:
         _warn(report, model_type, f"this transformers lacks {', '.join(missing)}; nothing patched")
         return report
+    patched = _PATCHED[hf_model] = _Patched(report, [])  # from here on unapply restores what was done
 
     for name, module in hf_model.named_modules():
         cls = type(module)
@@ -243,12 +243,14 @@ def unapply(model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, **switches: Any) -> Iterator[PatchReport]:
-    """``with patched(model) as report:`` :func:`apply` on entry, :func:`unapply` on exit."""
+    """``with patched(model) as report:`` :func:`apply` on entry, :func:`unapply` on exit (when
+    :func:`apply` patched anything: an unknown family is left unmarked)."""
     report = apply(model, **switches)
     try:
         yield report
     finally:
-        unapply(model)
+        if _unwrap(model) in _PATCHED:
+            unapply(model)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -470,7 +470,9 @@ def cross_entropy(
         lse_square_scale: z-loss, adds ``lse_square_scale * logsumexp(z)**2`` per non-ignored row.
         softcap: ``z = softcap * tanh(logits / softcap)`` before the softmax (Gemma 2), or None.
         inplace_backward: let the backward write the gradient over ``logits`` (saves one
-            logits-sized buffer; ``logits`` hold the gradient after ``backward()``).
+            logits-sized buffer; ``logits`` hold the gradient after ``backward()``). Ignored when
+            ``logits`` is a leaf (an ``nn.Parameter``, a user's tensor with ``requires_grad``): its
+            values must survive, as PyTorch refuses in-place writes to such leaves.
 
     Returns:
         The loss in float32 (whatever the logits' dtype), 0-dim unless ``reduction="none"``.
@@ -484,7 +486,7 @@ def cross_entropy(
     if logits.device.type == "cpu" and not torch.compiler.is_compiling():
         check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
     options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction)
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not logits.is_leaf:
         loss = _CrossEntropyInplace.apply(logits2d, labels1d, *options)
     else:
         loss, _lse = cross_entropy_family(logits2d, labels1d, *options)

@@ -239,7 +239,10 @@ def test_what_cannot_be_patched_is_named():
     with pytest.warns(PatchWarning, match="unknown model family 'gpt2'"):
         report = models.apply(gpt2)
     assert not report
-    models.unapply(gpt2)
+    with pytest.raises(ValueError, match="is not patched"):  # nothing was patched: the model stays unmarked
+        models.unapply(gpt2)
+    with pytest.warns(PatchWarning, match="unknown model family"), models.patched(gpt2) as again:
+        assert not again  # a second apply is not "already patched", and leaving the block unapplies nothing
 
     relu = tiny_model("llama", hidden_act="relu")
     with pytest.warns(PatchWarning, match=r"model\.layers\.0\.mlp: activation 'relu'"):

@@ -217,6 +217,18 @@ def test_inplace_backward(reduction, grad_scale):
         loss.sum().backward()
 
 
+@pytest.mark.parametrize("leaf", ["requires_grad", "parameter"])
+def test_inplace_backward_leaves_a_leaf_alone(leaf):
+    """A leaf's values must survive its backward (an optimizer steps from them): the option is ignored."""
+    logits, labels = _logits_labels((4, 300), torch.float32)
+    x = logits.clone().requires_grad_() if leaf == "requires_grad" else torch.nn.Parameter(logits.clone())
+    cross_entropy(x, labels, inplace_backward=True).backward()
+    assert torch.equal(x.detach(), logits)
+    reference = logits.clone().requires_grad_()
+    cross_entropy(reference, labels).backward()
+    torch.testing.assert_close(x.grad, reference.grad, rtol=0, atol=0)
+
+
 def test_inplace_backward_without_grad_does_not_mutate():
     logits, labels = _logits_labels((4, 300), torch.float32)
     before = logits.clone()
