@@ -18,6 +18,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu)")
+    # Triton 3.6's interpreter converts 1-element arrays with int() (numpy deprecates it; numpy<2.4 is
+    # pinned until Triton stops): once per interpreted index, tens of thousands per run, none ours.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+    )
+    # torch deprecates torch.jit.script_method while its own modules still call it at import.
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 @pytest.fixture(autouse=True)

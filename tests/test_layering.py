@@ -1,4 +1,4 @@
-"""Every import inside the package points down the layer stack (docs/design: data flows down).
+"""Every import inside the package points down the layer stack (data flows down: ops, then inductor, then models, bench and export).
 
 Each module of ``inductor_ext`` is parsed with :mod:`ast`; its imports, function-local ones and
 ``importlib.import_module("inductor_ext....")`` included, may name modules of its own layer or

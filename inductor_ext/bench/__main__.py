@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     subcommands = {**MODEL_BENCHES, **TOOLS}
     if argv and argv[0] in subcommands:
         return int(importlib.import_module(subcommands[argv[0]]).main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", description=__doc__)
+    usage = (
+        "python -m inductor_ext.bench {" + ",".join(OPS) + "} [--out OUT] [--shapes ...] [--dtype ...]\n"
+        "       python -m inductor_ext.bench {" + ",".join(subcommands) + "} [options] (see their --help)"
+    )
+    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench", usage=usage, description=__doc__)
     parser.add_argument(
         "op", choices=OPS, help=f"an op, or {' / '.join({**MODEL_BENCHES, **TOOLS})} (see their --help)"
     )

@@ -392,7 +392,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="GPUs of this host per provider (FSDP2; gloo ranks on CPU)")
     p.add_argument("--attention-mask", choices=("none", "ones"), default="none",
                    help="pass no attention_mask, or one of all ones (what HF's data collators pass)")  # fmt: skip
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (the benchmark), or cpu: a smoke run (e.g. --model tiny-llama), timings meaningless")  # fmt: skip
     p.add_argument("--worker", choices=sorted(PROVIDERS), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
     return p
@@ -416,7 +417,7 @@ def _check(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():
-        return "this benchmark needs a CUDA GPU"
+        return "this benchmark needs a CUDA GPU (--device cpu runs it as a smoke test, its timings meaningless)"
     return None
 
 
