@@ -14,11 +14,21 @@ atomically replace the file (write a temporary in the same directory, fsync,
 ``os.replace``). So concurrent processes or ranks lose no entry, and a process killed
 mid-write leaves the previous file intact; its orphaned temporary is removed by the
 next writer (temporaries exist only while a writer holds the lock).
+
+Reads: a parsed file is kept per process, keyed by its inode, modification time and size, so the
+traced launches of one compile (each asks the database for its config) parse it once; a write
+here or by another process replaces the file and so its inode, and the next read parses again.
+A file modified in the last :data:`RACY_SECONDS` is parsed on every read, as git treats a racily
+clean index: a second in-place edit within the file system's timestamp granularity, of the same
+size, would otherwise go unseen. Records are returned as copies.
 """
 
+import copy
 import json
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +50,14 @@ def current_versions() -> dict[str, str]:
     return {"inductor_ext": __version__, "torch": torch.__version__, "triton": triton.__version__}
 
 
+RACY_SECONDS = 2.0
+"""A file modified more recently than this is not served from the parsed copy."""
+
+_PARSED: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+"""Database path -> ((inode, mtime in ns, size) of the file when parsed, its entries)."""
+_PARSED_LOCK = threading.Lock()
+
+
 class TuningDatabase:
     """``get``/``put`` of JSON-serialisable records under string keys."""
 
@@ -51,7 +69,7 @@ class TuningDatabase:
         entry = self._read().get(key)
         if entry is None or entry["versions"] != current_versions():
             return None
-        return entry["record"]
+        return copy.deepcopy(entry["record"])
 
     def put(self, key: str, record: dict[str, Any]) -> None:
         self.update({key: record})
@@ -69,7 +87,7 @@ class TuningDatabase:
         """Current-version ``(key, record)`` pairs, sorted by key."""
         for key, entry in sorted(self._read().items()):
             if entry["versions"] == current_versions():
-                yield key, entry["record"]
+                yield key, copy.deepcopy(entry["record"])
 
     def clear(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,10 +95,24 @@ class TuningDatabase:
             self._write({})
 
     def _read(self) -> dict[str, Any]:
+        """The file's entries (not to be mutated: shared by every reader of this file's version)."""
         try:
+            stat = self.path.stat()
+            stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            with _PARSED_LOCK:
+                parsed = _PARSED.get(self.path)
+            if parsed is not None and parsed[0] == stamp:
+                return parsed[1]
             text = self.path.read_text()
         except FileNotFoundError:
             return {}
+        entries = self._parse(text)
+        if time.time_ns() - stat.st_mtime_ns > RACY_SECONDS * 1e9:
+            with _PARSED_LOCK:  # replaced since the stat: the next read's stamp differs, and it parses again
+                _PARSED[self.path] = (stamp, entries)
+        return entries
+
+    def _parse(self, text: str) -> dict[str, Any]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
