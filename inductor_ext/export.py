@@ -67,8 +67,9 @@ def export(
     if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
         rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
     patches = {**inductor_options, **ours.inductor_patches()}
-    patches.pop("cpp_wrapper", None)  # AOTInductor always emits C++; so, as for cpp_wrapper (the
-    # fastops.cpp_wrapper option, docs/backend.md), tune at compile time explicitly: multi-kernel asserts without it on some versions
+    # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
+    # time explicitly: multi-kernel asserts without it on some versions
+    patches.pop("cpp_wrapper", None)
     patches.setdefault("triton.autotune_at_compile_time", True)
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(program.graph_module)

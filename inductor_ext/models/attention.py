@@ -64,7 +64,6 @@ def sdpa_or_document_attention(
     ):
         out = document_causal_attention(query, key, value, positions, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    out, _ = sdpa_attention_forward(
+    return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
-    return out, None

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inductor_ext.models import attention
-from inductor_ext.ops.document_attention import document_ids
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
@@ -171,15 +170,17 @@ def hf_builds_cache(decoder: Any, use_cache: bool | None) -> bool:
 def hf_masks_documents(model: Any, kwargs: dict[str, Any], has_cache: bool) -> bool:
     """Whether transformers masks this call (``model(**kwargs)``, no cache object passed unless
     ``has_cache``) with the packed-document mask: ``(B, S)`` ``position_ids``, no ``attention_mask``,
-    and no KV cache in the decoder (transformers' ``_preprocess_mask_arguments``). In eager mode rows
-    that each hold one document are not (transformers then builds the plain causal mask, as
-    ``find_packed_sequence_indices`` finds no packing; it skips that check when traced)."""
+    and no KV cache in the decoder (transformers' ``_preprocess_mask_arguments``), and transformers'
+    ``find_packed_sequence_indices`` finds a packing (in eager mode not when every row holds one
+    document, transformers then builds the plain causal mask; traced, it always does)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
     positions = kwargs.get("position_ids")
     if has_cache or kwargs.get("attention_mask") is not None or not isinstance(positions, Tensor):
         return False
     if positions.dim() != 2 or hf_builds_cache(model.model, kwargs.get("use_cache")):
         return False
-    return torch.compiler.is_compiling() or not bool((document_ids(positions)[:, -1] == 0).all())
+    return find_packed_sequence_indices(positions) is not None
 
 
 def causal_lm_forward(

@@ -12,6 +12,7 @@ from inductor_ext import models
 from inductor_ext.models import attention
 from tests.models.test_packed_semantics import INPUTS, LOSS_ONLY, PACKED, _assert_same, _batch, _loss_and_grads
 from tests.models.test_patch import tiny_model
+from tests.packed_positions import random_packed_positions
 
 
 @pytest.fixture
@@ -91,7 +92,7 @@ def test_compiled_patched_model_on_packed_rows_is_one_graph_and_matches_eager(re
     with models.patched(model, **LOSS_ONLY):
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         for _ in range(5):
-            positions = torch.stack([torch.cat([torch.arange(int(n)) for n in _lengths(generator)]) for _ in PACKED])
+            positions = random_packed_positions(len(PACKED), PACKED.shape[1], generator, longest=8)
             call = _batch(position_ids=positions, use_cache=False)
             model.zero_grad(set_to_none=True)
             loss = compiled(**call).loss
@@ -99,9 +100,3 @@ def test_compiled_patched_model_on_packed_rows_is_one_graph_and_matches_eager(re
             grads = {name: p.grad for name, p in model.named_parameters()}
             _assert_same((loss.detach(), grads), _loss_and_grads(reference, **call))
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
-
-
-def _lengths(generator: torch.Generator) -> list[int]:
-    """Random document lengths summing to the row length 16."""
-    cuts = sorted(torch.randperm(15, generator=generator)[:3].add(1).tolist())
-    return [b - a for a, b in zip([0, *cuts], [*cuts, 16], strict=True)]
