@@ -17,6 +17,7 @@ import torch
 from inductor_ext.cxx_runtime import promote_cxx_runtime
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
+from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
 from inductor_ext.tuning.database import TuningDatabase
@@ -66,6 +67,8 @@ def export(
     ours, inductor_options = parse_options(options, default_multi_kernel=None)
     if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
         rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
+    if ours.document_mask:  # packed position_ids: block-sparse document attention, as under the backend
+        rewrite_document_masks(program.graph_module)
     patches = {**inductor_options, **ours.inductor_patches()}
     # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
     # time explicitly: multi-kernel asserts without it on some versions

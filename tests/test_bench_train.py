@@ -262,13 +262,14 @@ def test_packed_and_padded_batches_give_the_model_the_same_loss():
 
 def test_packed_run_reports_real_tokens_and_losses_next_to_each_reference(tmp_path):
     """``--packed`` on CPU: the packed and padded providers on the same documents (2 x 512 tokens a step,
-    several documents per row, 2 padded documents per batch), each loss next to its eager reference's."""
+    several documents per row, 2 padded documents per batch), each loss next to its eager reference's;
+    the last provider run by a second invocation that merges into the first one's file."""
     providers = ("hf_eager_padded", "hf_eager_packed", "patched_eager_packed")
-    results, stdout = run_tiny_bench(
-        tmp_path, *providers, flags=("--packed", "--seq", "512", "--padded-batch", "2"),
-        stem="train_tiny-llama_2x512_packed",
-    )  # fmt: skip
-    assert list(results) == list(providers)
+    flags = ("--packed", "--seq", "512", "--padded-batch", "2")
+    stem = "train_tiny-llama_2x512_packed"
+    first, _ = run_tiny_bench(tmp_path, *providers[:2], flags=flags, stem=stem)
+    results, stdout = run_tiny_bench(tmp_path, providers[2], flags=(*flags, "--merge"), stem=stem)
+    assert list(results) == list(providers) and results["hf_eager_packed"] == first["hf_eager_packed"]
     for r in results.values():
         assert r["real_tokens_per_s"] > 0 and len(r["losses"]) >= 3
         assert all(math.isfinite(loss) for loss in r["losses"])
@@ -287,6 +288,15 @@ def test_packed_run_reports_real_tokens_and_losses_next_to_each_reference(tmp_pa
     assert summary["patched_eager_packed"]["loss reference"] == "hf_eager_packed"
     assert summary["patched_eager_packed"]["- hf_eager"] is not None
     assert "real tokens/s" in stdout
+
+
+def test_merge_refuses_a_file_of_other_settings(tmp_path):
+    stem = "train_tiny-llama_2x16"
+    (tmp_path / f"{stem}.json").write_text(json.dumps({"meta": {"model": "tiny-llama", "batch": 3}, "results": {}}))
+    command = [sys.executable, "-m", "inductor_ext.bench", "train", "--device", "cpu", "--model", "tiny-llama",
+               "--batch", "2", "--seq", "16", "--providers", "hf_eager", "--out", str(tmp_path), "--merge"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode != 0 and "holds a run of other settings (" in proc.stderr and " batch, " in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ MODEL_BENCHES = {
     "export": "inductor_ext.bench.export",
     "autotune": "inductor_ext.bench.autotune",
     "train": "inductor_ext.bench.train",
+    "document_attention": "inductor_ext.bench.document_attention",
 }
 """Model-level benchmarks, each with its own ``main(argv)``: ``python -m inductor_ext.bench backend --help``."""
 

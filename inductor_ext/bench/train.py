@@ -396,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
                    help="cuda (the benchmark), or cpu: a smoke run (e.g. --model tiny-llama), timings meaningless")  # fmt: skip
     p.add_argument("--worker", choices=sorted(PROVIDERS), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
+    p.add_argument("--merge", action="store_true",
+                   help="add to the configuration's JSON in --out (same settings and machine), replacing the rows "
+                        "of the providers run now: a long provider list split over several invocations")  # fmt: skip
     return p
 
 
@@ -550,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                if args.packed else {}),
             "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
-    results: dict[str, dict[str, Any]] = {}
+    results = _earlier_results(args.out / f"{stem}.json", meta) if args.merge else {}
     for provider in args.providers:
         if not available(provider):
             print(f"{provider}: skipped (liger_kernel is not importable)")
@@ -578,6 +581,17 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{args.model}, {args.batch} x {args.seq} tokens{documents}, bf16, AdamW"
         plot(results, args.out / f"{stem}.png", title)
     return 0
+
+
+def _earlier_results(path: Path, meta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The results already in ``path`` (``--merge``); none if it does not exist. Refuses a file of other settings."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier["meta"] != meta:
+        differ = sorted(k for k in {*meta, *earlier["meta"]} if meta.get(k) != earlier["meta"].get(k))
+        raise SystemExit(f"--merge: {path} holds a run of other settings ({', '.join(differ)} differ)")
+    return dict(earlier["results"])
 
 
 def _version(package: str) -> str | None:

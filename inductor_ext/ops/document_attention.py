@@ -20,6 +20,8 @@ attention is FlexAttention's higher-order op, which Inductor compiles into its T
 and SDPA runs it (the reference math, used by the CPU tests).
 """
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -30,6 +32,21 @@ from torch._subclasses.fake_tensor import is_fake
 
 BLOCK_SIZE = 128
 """Queries and keys per block of the block mask (FlexAttention's default sparsity block)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexSettings:
+    """How FlexAttention runs the document mask: the block mask's block size, and FlexAttention
+    ``kernel_options`` (tile sizes of the forward, ``fwd_*``, and of the backward, ``bwd_*``), as
+    ``(name, value)`` pairs so that the settings hash (one compiled eager wrapper per setting)."""
+
+    block_size: int = BLOCK_SIZE
+    kernel_options: tuple[tuple[str, int | bool], ...] = ()
+
+
+def flex_settings_for(query: Tensor) -> FlexSettings:
+    """The settings for ``query``'s device, dtype and head size: FlexAttention's own defaults."""
+    return FlexSettings()
 
 
 def document_ids(position_ids: Tensor) -> Tensor:
@@ -140,6 +157,7 @@ def document_causal_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     use_flex: bool | None = None,
+    flex_settings: FlexSettings | None = None,
 ) -> Tensor:
     """``scaled_dot_product_attention(query, key, value, attn_mask=document_causal_mask_ref(position_ids),
     scale=scale, enable_gqa=enable_gqa)`` computed block-sparsely (module docstring).
@@ -147,6 +165,7 @@ def document_causal_attention(
     ``query`` is ``(B, H, S, D)``, ``key``/``value`` ``(B, H_kv, S, D)`` (``H_kv`` divides ``H`` with
     ``enable_gqa``), ``position_ids`` ``(B, S)`` integers. ``use_flex``: None picks FlexAttention on
     CUDA and the materialised mask elsewhere; True forces FlexAttention (CPU: forward only).
+    ``flex_settings``: the block size and FlexAttention kernel options (default :func:`flex_settings_for`).
     """
     _check_inputs(query, key, value, position_ids, enable_gqa)
     if use_flex is None:
@@ -154,12 +173,15 @@ def document_causal_attention(
     if not use_flex:
         mask = document_causal_mask_ref(position_ids)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    settings = flex_settings_for(query) if flex_settings is None else flex_settings
     if query.device.type == "cuda" and not (torch.compiler.is_compiling() or is_fake(query)):
-        return _compiled_flex()(query, key, value, position_ids, scale)
-    return _flex(query, key, value, position_ids, scale)
+        return _compiled_flex(settings)(query, key, value, position_ids, scale)
+    return _flex(query, key, value, position_ids, scale, settings)
 
 
-def _flex(query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, scale: float | None) -> Tensor:
+def _flex(
+    query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, scale: float | None, settings: FlexSettings
+) -> Tensor:
     """FlexAttention on the document block mask.
 
     Traced by Dynamo (the patched model under ``torch.compile``, the eager wrapper): the public
@@ -176,29 +198,31 @@ def _flex(query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, scale
     def document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return _document_causal_mod(b, h, q, kv, doc)
 
-    block_mask = document_block_mask(doc, document_causal)
+    block_mask = document_block_mask(doc, document_causal, settings.block_size)
+    options = dict(settings.kernel_options)
     if torch.compiler.is_dynamo_compiling():
-        out = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                             kernel_options=options)  # type: ignore[arg-type]  # fmt: skip
         assert isinstance(out, Tensor)
         return out
     from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 
-    kernel_options: dict[str, Any] = dict(_apply_kernel_options(query, key, value, False, None))
+    kernel_options: dict[str, Any] = dict(_apply_kernel_options(query, key, value, False, options))  # type: ignore[arg-type]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     mask = (*block_mask.as_tuple()[:-1], _document_causal_mod)
     out, *_ = flex_attention_op(query, key, value, _identity_score, mask, scale, kernel_options, (), (doc,))
     return out
 
 
-_COMPILED: list[Any] = []
+_COMPILED: dict[FlexSettings, Any] = {}
 
 
-def _compiled_flex() -> Any:
-    """``_flex`` under ``torch.compile`` for eager callers on CUDA (FlexAttention's fused kernels exist
-    only compiled; eager runs its unfused math over the whole score matrix)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_flex, fullgraph=True, dynamic=False))
-    return _COMPILED[0]
+def _compiled_flex(settings: FlexSettings) -> Any:
+    """``_flex`` with ``settings`` under ``torch.compile``, for eager callers on CUDA (FlexAttention's fused
+    kernels exist only compiled; eager runs its unfused math over the whole score matrix)."""
+    if settings not in _COMPILED:
+        _COMPILED[settings] = torch.compile(functools.partial(_flex, settings=settings), fullgraph=True, dynamic=False)
+    return _COMPILED[settings]
 
 
 def _check_inputs(query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor, enable_gqa: bool) -> None:

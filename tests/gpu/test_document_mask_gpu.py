@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import inductor_ext  # noqa: F401
+import inductor_ext
 from inductor_ext.bench.train import build_model
 from inductor_ext.ops.document_attention import document_causal_attention, document_causal_mask_ref
 from tests.packed_positions import random_packed_positions
@@ -97,3 +97,25 @@ def test_document_attention_matches_float64(batch, length):
     assert rel_err(out, ref) <= 2 * rel_err(sdpa, ref) + 1e-3
     for ours, bf16, exact_grad in zip(got, sdpa_grads, ref_grads, strict=True):
         assert rel_err(ours, exact_grad) <= 2 * rel_err(bf16, exact_grad) + 1e-3
+
+
+def test_exported_packed_model_runs_flex_attention_as_hf(tmp_path, monkeypatch):
+    """``inductor_ext.export`` of packed rows on CUDA: the package's attention is FlexAttention on the
+    document block mask (the rewrite fired), and its logits for other packings of the row shape are
+    within bf16 noise of eager HF's (float32 HF as the reference)."""
+    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model("tiny-llama", "cuda", torch.bfloat16).eval()
+    exact = build_model("tiny-llama", "cuda", torch.float32).eval()
+    exact.load_state_dict(model.state_dict())
+    call = _packed_call(model.config.vocab_size, 1000, seed=0)
+    ids, kwargs = call["input_ids"], {"position_ids": call["position_ids"], "use_cache": False}
+    package = inductor_ext.load(inductor_ext.export(model, (ids,), tmp_path / "packed.pt2", kwargs=kwargs))
+    assert counters["inductor_ext"]["rewrite_document_mask"] == model.config.num_hidden_layers
+    for seed in range(1, 4):
+        kwargs["position_ids"] = _packed_call(model.config.vocab_size, 1000, seed)["position_ids"]
+        with torch.no_grad():
+            want, hf = (m(ids, **kwargs).logits.double() for m in (exact, model))
+        got = package(ids, **kwargs).logits
+        assert rel_err(got, want) <= 2 * rel_err(hf, want) + 1e-3

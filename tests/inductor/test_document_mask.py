@@ -76,22 +76,50 @@ def test_hf_packed_document_mask_is_rewritten(materialised_hf_mask):
     torch.testing.assert_close(output.loss, model(**kwargs).loss)
 
 
-def test_backend_trains_packed_rows_as_hf_with_no_recompile(materialised_hf_mask, fresh_dynamo):
-    """Five packings of one row shape: one graph, loss and gradients as HF eager's for each."""
+def test_backend_trains_collated_packed_rows_as_hf_with_no_recompile(materialised_hf_mask, fresh_dynamo):
+    """Five packings of one row shape, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    builds them (``position_ids`` and the ``cu_seq_lens_*``/``max_length_*`` keywords, which SDPA attention
+    ignores and whose shapes change with the number of documents): one graph, loss and gradients as HF
+    eager's for each."""
     model = _hf_model()
     compiled = torch.compile(model, backend="fastops_inductor", fullgraph=True)
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     generator = torch.Generator().manual_seed(0)
+    documents = set()
     for _ in range(5):
         lengths, total = [], 0
         while total < 40:
-            lengths.append(min(int(torch.randint(1, 15, (1,), generator=generator)), 40 - total))
+            lengths.append(min(int(torch.randint(2, 15, (1,), generator=generator)), 40 - total))
             total += lengths[-1]
-        positions = packed_positions([lengths, lengths[::-1]])
-        ids = torch.randint(0, 128, positions.shape)
-        _assert_same_training(model, compiled, input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+        documents.add(len(lengths))
+        batch = collator([{"input_ids": torch.randint(0, 128, (n,)).tolist()} for n in lengths])
+        assert {"position_ids", "cu_seq_lens_q", "max_length_k"} <= set(batch)
+        _assert_same_training(model, compiled, **batch, use_cache=False)
+    assert len(documents) > 1
     assert counters["inductor_ext"]["rewrite_document_mask"] == 2
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["recompiles"]
+
+
+def test_exported_hf_program_runs_document_attention_in_its_package(fresh_dynamo, tmp_path):
+    """``inductor_ext.export`` of packed rows: torch.export materialises HF's document mask, the rewrite
+    replaces it in the exported graph, and the AOTInductor package gives HF's logits for other packings
+    of the row shape (on CPU the op materialises the mask itself: the GPU test runs FlexAttention)."""
+    import inductor_ext
+
+    model = _hf_model().eval()
+    positions = packed_positions([[5, 1, 9, 9], [24]])
+    ids = torch.randint(0, 128, positions.shape)
+    kwargs = {"position_ids": positions, "use_cache": False}
+    path = inductor_ext.export(model, (ids,), tmp_path / "packed.pt2", kwargs=kwargs)
+    assert counters["inductor_ext"]["rewrite_document_mask"] == 2
+    package = inductor_ext.load(path)
+    for lengths in ([[5, 1, 9, 9], [24]], [[1] * 24, [12, 12]], [[24], [3, 21]]):
+        positions = packed_positions(lengths)
+        with torch.no_grad():
+            expected = model(ids, position_ids=positions, use_cache=False).logits
+        torch.testing.assert_close(package(ids, position_ids=positions, use_cache=False).logits, expected,
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
 def test_hf_default_cache_keeps_documents_attending_across(materialised_hf_mask):
