@@ -19,6 +19,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.inductor",),
     ("inductor_ext.nn",),
     ("inductor_ext.ops",),
+    # inside ops: registration (_library and the op files) launches through _launch, which reads _launch_controls
+    ("inductor_ext.ops._launch",),
+    ("inductor_ext.ops._launch_controls",),
     ("inductor_ext.tuning",),
     ("inductor_ext.kernels",),
     ("inductor_ext.version", "inductor_ext.tensor_file", "inductor_ext.cxx_runtime"),

@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     results = bench.run(shapes, dtype, copy_gbps)
     overhead = bench.host_overhead_us() if hasattr(bench, "host_overhead_us") else {}
     routes = bench.route_check(results) if hasattr(bench, "route_check") else {}
-    from inductor_ext.ops._library import DirectLaunch
+    from inductor_ext.ops._launch import tuned_launch_configs
 
-    tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in DirectLaunch._tuned.items()}
+    tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in tuned_launch_configs().items()}
     extra = {
         "eager_tuned_configs": {k: {n: v for n, v in c.items() if v is not None} for k, c in tuned.items()},
         "device": torch.cuda.get_device_name(),

@@ -42,10 +42,11 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import create_function_from_signature
 
-import inductor_ext.ops._library as library
+import inductor_ext.ops._launch as ops_launch
 from inductor_ext.autotune.calls import load_calls
 from inductor_ext.autotune.report import format_table
 from inductor_ext.inductor.choice import capture_backward_args
+from inductor_ext.ops._launch_controls import dry_run_launches
 
 COLUMNS = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -56,15 +57,7 @@ def recorded_launches(sms: int) -> Iterator[list[tuple[Any, tuple[Any, ...], dic
     """Within: the ops' direct launches record (kernel, args, kwargs) instead of launching, and the
     GPU reports ``sms`` SMs. Run the ops on fake CUDA tensors (:func:`fake_cuda`): no GPU is needed,
     and every device-dependent choice (grid sizes, block sizes) takes its CUDA branch."""
-    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-
-    def record(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
-        calls.append((kernel, args, kwargs))
-
-    with (
-        unittest.mock.patch.object(library, "_DIRECT", record),
-        unittest.mock.patch.object(library, "sm_count", lambda device_index: sms),
-    ):
+    with dry_run_launches() as calls, unittest.mock.patch.object(ops_launch, "sm_count", lambda device_index: sms):
         yield calls
 
 
@@ -156,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for kernel, kernel_args, kwargs in launches:
             configs = (
-                library.candidate_configs(kernel, kernel_args, kwargs) if isinstance(kernel, Autotuner) else [None]
+                ops_launch.candidate_configs(kernel, kernel_args, kwargs) if isinstance(kernel, Autotuner) else [None]
             )
             fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
             types = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in kernel_args)

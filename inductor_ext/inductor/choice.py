@@ -13,6 +13,7 @@ nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -25,13 +26,13 @@ from torch._dynamo.utils import counters
 from torch._ops import OpOverload
 
 from inductor_ext.inductor.options import BackendOptions
+from inductor_ext.ops._launch import tuned_launch_configs
 from inductor_ext.ops._library import (
     DECOMPOSITIONS,
     FAMILIES,
     FAMILY_OF,
     IN_PLACE_TIMING,
     IN_PLACE_TIMING_MIN_BYTES,
-    DirectLaunch,
     OpFamily,
 )
 from inductor_ext.tuning.agreement import agreed
@@ -179,7 +180,7 @@ def _decide_here(
         return {"decisions": [dataclasses.asdict(d) for d in decisions], "configs": {}}
     decisions = measure_routes(family, args, options, device)
     # every kernel config picked so far in this process (the timing's included)
-    configs = kernel_records(DirectLaunch._tuned, device_name(device))
+    configs = kernel_records(tuned_launch_configs(), device_name(device))
     entries = [dataclasses.asdict(d) for d in decisions]
     if database is not None:
         database.update({key: {"decisions": entries}, **configs})
@@ -197,13 +198,17 @@ def measure_routes(
 
     Runs on a worker thread: the caller may be inside Dynamo's compile (a tracing context,
     fake-tensor and dispatch modes, all thread-local), and the timing needs real tensors
-    and an independent Inductor compile of the math.
+    and an independent Inductor compile of the math. The worker, and the thread of that
+    compile, run in a copy of the caller's context (``contextvars``): the launch settings of
+    :mod:`inductor_ext.ops._launch_controls` around the call (the standalone tuner's
+    ``thorough_benchmarks``, a forced config, a launch log) hold there, as do torch's config
+    values (context variables in torch 2.13).
     """
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         meta_args = meta_templates(fake_args)
     device = device if device is not None else fake_args[0].device
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_measure_routes, family, meta_args, device, options).result()
+        return pool.submit(contextvars.copy_context().run, _measure_routes, family, meta_args, device, options).result()
 
 
 def _measure_routes(
@@ -217,7 +222,9 @@ def _measure_routes(
         @contextlib.contextmanager
         def compile_beside(direction: Direction, inputs: Sequence[Any]) -> Iterator[None]:
             # Inductor compiles the direction's math on its own thread while ours compile and tune
-            future = inductor_thread.submit(_compile_math_on, device, direction.math, inputs, options)
+            future = inductor_thread.submit(
+                contextvars.copy_context().run, _compile_math_on, device, direction.math, inputs, options
+            )
             yield
             compiled[direction.op] = future.result()
 

@@ -63,7 +63,7 @@ IN_PLACE_VARIANTS: dict[Any, tuple[InPlaceArguments, ...]] = {
     scale_rows_kernel: (InPlaceArguments("X", "OUT"),),
 }
 """Triton JIT function -> the argument pairs it may alias. Autotuned kernels are traced through autotuners
-built around their functions (``ops._library.pruned_autotuner``), so the function identifies the kernel."""
+built around their functions (``ops._launch.pruned_autotuner``), so the function identifies the kernel."""
 
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 

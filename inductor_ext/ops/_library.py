@@ -18,33 +18,24 @@ branch is what makes compile, ``cpp_wrapper`` and AOTInductor work on CPU.
 
 The same aten math is registered in :data:`DECOMPOSITIONS` for the
 ``fastops_inductor`` backend's Inductor route.
+
+This module registers ops and finds them (:data:`FAMILIES`, :data:`FAMILY_OF`); the launches an
+op's kernels go through are :mod:`inductor_ext.ops._launch`, and the tuning-time settings of the
+eager ones :mod:`inductor_ext.ops._launch_controls`.
 """
 
-import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-import triton
-import triton.testing
 from torch._ops import OpOverload
-from torch.library import triton_op, wrap_triton
-from triton.runtime._async_compile import active_mode as async_compile_mode
-from triton.runtime.autotuner import Autotuner
+from torch.library import triton_op
 
-from inductor_ext.tuning.database import TuningDatabase
-from inductor_ext.tuning.kernel_configs import (
-    LAUNCH_OPTIONS,
-    LaunchSignature,
-    device_name_of,
-    key_signature,
-    stored_config,
-)
+from inductor_ext.ops._launch import DirectLaunch, TraceableLaunch, kernels_run_on
 
 NAMESPACE = "fastops"
 
@@ -85,261 +76,6 @@ def route_ops(choose_math: MathRoute) -> Iterator[None]:
         yield
     finally:
         _math_route.reset(token)
-
-
-_INTERPRET = bool(triton.knobs.runtime.interpret)
-
-
-def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET=1`` at import (as for ``@triton.jit``): kernels then run on CPU tensors."""
-    return _INTERPRET
-
-
-def kernels_run_on(device: torch.device) -> bool:
-    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
-
-
-Grid = Callable[[dict[str, Any]], tuple[int, ...]]
-
-
-@functools.cache
-def sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def grid_stride_programs(device: torch.device, per_sm: int) -> int:
-    """Grid size of a grid-stride launch: ``per_sm`` programs per SM; 4 under the interpreter
-    (which runs programs one after another, so a few suffice to exercise the striding)."""
-    if device.type == "cuda":
-        return per_sm * sm_count(device.index)
-    return 4
-
-
-def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> list[triton.Config]:
-    """The configs ``kernel``'s autotuner times for this launch (its pruning applied)."""
-    kernel.nargs = dict(zip(kernel.arg_names, args))
-    try:
-        return kernel.prune_configs(kwargs)
-    finally:
-        kernel.nargs = None
-
-
-class TraceableLaunch:
-    """Launches through ``wrap_triton``: what an op body does, so tracing records the kernel.
-
-    A config recorded in the tuning database for this launch (:mod:`inductor_ext.tuning.kernel_configs`)
-    is the only one the traced kernel offers, so Inductor emits it and benchmarks nothing.
-    """
-
-    def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        device = device_name_of(args) if isinstance(kernel, Autotuner) else None
-        stored = stored_config(TuningDatabase(), kernel, args, kwargs, device) if device is not None else None
-        wrap_triton(pruned_autotuner(kernel, args, kwargs, stored))[grid](*args, **kwargs)
-
-
-def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], stored: Any = None) -> Any:
-    """``kernel`` with its configs narrowed to ``stored`` (a ``triton.Config``) when given and valid for
-    these arguments (its pruning keeps it), else with its ``early_config_prune`` already applied to
-    these arguments; ``restore_value`` and ``reset_to_zero`` kept.
-
-    torch's tracing of Triton kernels (``torch/_higher_order_ops/triton_kernel_wrap.py``,
-    torch 2.11 to 2.13) applies the pruning itself and re-wraps the kernel as
-    ``autotune(configs=pruned, key=[])``, dropping ``restore_value``. Inductor then
-    benchmarks an in-place kernel on the real buffers without restoring them, and the
-    launch after tuning reads its own output: seen on the H200 as a cross-entropy loss
-    of exactly ``log(V)`` (the logits had become the gradient) and RoPE rotated several
-    times. An autotuner with nothing left to prune passes through that code unchanged.
-    """
-    if not isinstance(kernel, Autotuner) or (kernel.early_config_prune is None and stored is None):
-        return kernel
-    if kernel.perf_model is not None:
-        raise NotImplementedError("pruned_autotuner: kernels with a perf_model are not supported")
-    configs = candidate_configs(kernel, args, kwargs)
-    if stored is not None and any(c.kwargs == stored.kwargs and c.num_warps == stored.num_warps for c in configs):
-        configs = [stored]
-    elif DirectLaunch.quick_first_launch:  # Inductor tunes it at compile time: the quick first launch's configs
-        configs = quick_configs(configs)
-    return triton.autotune(
-        configs=configs, key=[], restore_value=kernel.restore_value, reset_to_zero=kernel.reset_to_zero
-    )(kernel.fn)
-
-
-class DirectLaunch:
-    """Launches straight from Python, for the eager bypass.
-
-    On CUDA the first launch per autotune key runs Triton's autotuner (:func:`quick_first_launch`
-    unless within :func:`thorough_benchmarks`); later ones
-    launch the tuned config's JIT function directly, skipping the autotuner's
-    per-call bookkeeping (the bypass exists to save host time). Under the
-    interpreter, where the autotuner cannot benchmark, it launches
-    :attr:`forced_config` or else the first pruned config (the heuristic's pick).
-    """
-
-    forced_config: ClassVar[dict[str, Any] | None] = None
-    launch_log: ClassVar[list[tuple[Autotuner, tuple[Any, ...], dict[str, Any]]] | None] = None
-    """While :func:`record_autotuned_launches` is active: every autotuned launch (kernel, args, kwargs)."""
-    _tuned: ClassVar[dict[tuple[Any, LaunchSignature], dict[str, Any]]] = {}
-    """Each autotuned launch's pick: what the route timing records in the tuning database."""
-    quick_first_launch: ClassVar[bool] = True
-    """First launches time the first :data:`QUICK_FIRST_LAUNCH_CONFIGS` configs for
-    :data:`AUTOTUNE_BENCH_MS` each (:func:`quick_first_launch`), and so does Inductor when it tunes a
-    traced launch (:func:`pruned_autotuner`); False within :func:`thorough_benchmarks`: every config,
-    Triton's full budget."""
-
-    def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(kernel, Autotuner):
-            kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
-            return
-        if self.launch_log is not None:
-            self.launch_log.append((kernel, tuple(args), dict(kwargs)))
-        forced = self.forced_config and self._forced_config_for(kernel)  # (None unless forcing: no call)
-        if forced or _INTERPRET:
-            # under the interpreter (no timing): the heuristic's pick, the first valid config
-            meta = {**kwargs, **(forced or candidate_configs(kernel, args, kwargs)[0].all_kwargs())}
-            kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
-            return
-        key = self._key(kernel, args, kwargs)
-        tuned = self._tuned.get(key)
-        if tuned is None:
-            with quick_first_launch(kernel, args, kwargs) if self.quick_first_launch else contextlib.nullcontext():
-                precompile_configs(kernel, grid, args, kwargs)
-                kernel[grid](*args, **kwargs)
-            self._tuned[key] = kernel.best_config.all_kwargs()
-            return
-        meta = {**kwargs, **tuned}
-        kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
-
-    @staticmethod
-    def _key(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, LaunchSignature]:
-        """What :attr:`_tuned` is keyed by: the kernel and its autotuner's cache key for this launch."""
-        return kernel, key_signature(kernel, args, kwargs)
-
-    @classmethod
-    def _forced_config_for(cls, kernel: Any) -> dict[str, Any] | None:
-        """:attr:`forced_config` if it sets exactly the meta-parameters ``kernel``'s configs tune (an
-        op's other kernels keep their own configs), else None."""
-        forced = cls.forced_config
-        if forced is None or set(forced) - LAUNCH_OPTIONS == set(kernel.configs[0].kwargs):
-            return forced
-        return None
-
-
-Launch = TraceableLaunch | DirectLaunch
-
-
-@contextlib.contextmanager
-def record_autotuned_launches() -> Iterator[list[tuple[Autotuner, tuple[Any, ...], dict[str, Any]]]]:
-    """The eager launches of autotuned kernels made inside the block: (kernel, args, kwargs) each."""
-    previous, DirectLaunch.launch_log = DirectLaunch.launch_log, []
-    try:
-        yield DirectLaunch.launch_log
-    finally:
-        DirectLaunch.launch_log = previous
-
-
-def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Compile every config ``kernel``'s autotuner will time for this launch, in parallel; its
-    timing then finds them compiled.
-
-    Triton's autotuner compiles them one by one as it times them: the 18 RMSNorm backward configs
-    take 7.6 s on one thread, 4.3 s on two (Triton's compiler releases the GIL in part; measured
-    compiling for sm_90 on a 2-core CPU host). With the timing itself (:func:`quick_benchmarks`),
-    this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
-    Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
-    only the compile to a worker thread; leaving the mode installs the kernels in the cache.
-    Inductor's compile-worker processes were tried instead (on the H200): slower, since each
-    worker imports the package on its first job (RMSNorm's 28 configs: 17.8 s against 6.5 s on
-    threads in a fresh process; 6.5 s against 5.8 s with the pool already up).
-    """
-    configs = candidate_configs(kernel, args, kwargs)
-    workers = min(len(configs), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        # a mode the caller already opened takes the compiles instead (Triton allows one at a time)
-        mode = triton.AsyncCompileMode(pool) if async_compile_mode.get() is None else contextlib.nullcontext()
-        with mode:
-            for config in configs:
-                meta = {**kwargs, **config.all_kwargs()}
-                kernel.fn.warmup(*args, grid=grid(meta), **meta)
-
-
-QUICK_FIRST_LAUNCH_CONFIGS = 4
-"""Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
-space, heuristic's favourite first (:mod:`inductor_ext.kernels.ranking`). Compiling and timing
-every config was most of a cold ``fastops_inductor`` compile (H200, 4-layer decoder: 96 configs,
-13.9 s of first launches in a 31.5 s compile). In a re-timing of every config on the H200
-at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
-(2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
-The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
-
-
-def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
-    """What a quick first launch (or Inductor's tuning of a traced launch) times of a launch's
-    pruned ``configs``: the first :data:`QUICK_FIRST_LAUNCH_CONFIGS`."""
-    return configs[:QUICK_FIRST_LAUNCH_CONFIGS]
-
-
-AUTOTUNE_BENCH_MS = (5, 25)
-"""Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
-25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
-before every run: at the defaults, about 0.14 s per config, which made up most of a cold route
-timing's "first launches" on the H200 (≈ 0.2 s per config all told, 68 configs in a decoder).
-25 ms still gives ≥ 25 runs of a 1 ms kernel and hundreds of a 20 µs one for the median."""
-
-
-@contextlib.contextmanager
-def quick_benchmarks(kernel: Autotuner) -> Iterator[None]:
-    """Within: ``kernel``'s autotuner times each config for :data:`AUTOTUNE_BENCH_MS` instead of
-    Triton's defaults. Not set on the autotuners themselves: Inductor accepts a user kernel's
-    autotuner only with the default benchmark settings."""
-    previous = kernel.__dict__.get("do_bench")  # Triton's cached_property, once read
-    warmup, rep = AUTOTUNE_BENCH_MS
-    kernel.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        if previous is None:
-            del kernel.do_bench
-        else:
-            kernel.do_bench = previous  # type: ignore[misc]
-
-
-@contextlib.contextmanager
-def quick_first_launch(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Within: ``kernel``'s autotuner offers this launch's first :data:`QUICK_FIRST_LAUNCH_CONFIGS`
-    configs only, and times each for :data:`AUTOTUNE_BENCH_MS` (:func:`quick_benchmarks`)."""
-    previous = kernel.configs
-    kernel.configs = quick_configs(candidate_configs(kernel, args, kwargs))
-    try:
-        with quick_benchmarks(kernel):
-            yield
-    finally:
-        kernel.configs = previous
-
-
-@contextlib.contextmanager
-def thorough_benchmarks() -> Iterator[None]:
-    """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
-    :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's
-    setting, where a pick matters more than the seconds (H200, Llama-3-8B shapes: the
-    worst pick was 4.2% off the best re-timed config with the short budget, 2.4% with the full one)."""
-    previous = DirectLaunch.quick_first_launch
-    DirectLaunch.quick_first_launch = False
-    try:
-        yield
-    finally:
-        DirectLaunch.quick_first_launch = previous
-
-
-@contextlib.contextmanager
-def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
-    """Make eager launches use ``config`` (a Triton config's kwargs, plus ``num_warps``) instead of tuning,
-    for the kernels that take its parameters (the op's other kernels launch as usual)."""
-    previous = DirectLaunch.forced_config
-    DirectLaunch.forced_config = config
-    try:
-        yield
-    finally:
-        DirectLaunch.forced_config = previous
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)

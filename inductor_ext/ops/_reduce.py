@@ -10,7 +10,7 @@ from inductor_ext.kernels.reduce import (
     SUM_ROWS_BLOCK_R,
     sum_rows_kernel,
 )
-from inductor_ext.ops._library import Launch
+from inductor_ext.ops._launch import Launch
 
 
 def sum_partial_rows(launch: Launch, partial: Tensor, param: Tensor | None) -> Tensor:

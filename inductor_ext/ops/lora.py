@@ -71,8 +71,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import rows_2d
-from inductor_ext.ops._library import Launch, define_op_family
+from inductor_ext.ops._library import define_op_family
 from inductor_ext.ops.glu import (
     geglu_ref,
     glu_bwd_kernels,

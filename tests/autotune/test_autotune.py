@@ -517,11 +517,11 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     """A config picked while timing comes back for the same launch key (and only for it), and a traced
     launch then offers Inductor that config alone, restore_value kept."""
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
-    from inductor_ext.ops._library import DirectLaunch, pruned_autotuner
+    from inductor_ext.ops._launch import launch_key, pruned_autotuner
     from inductor_ext.tuning.kernel_configs import records, stored_config
 
     args, kwargs = _ce_launch(5000)
-    key = DirectLaunch()._key(kernel, args, kwargs)  # what the eager autotuner's picks are keyed by
+    key = launch_key(kernel, args, kwargs)  # what the eager autotuner's picks are keyed by
     pick = {"BLOCK_V": 4096, "num_warps": 8, "num_ctas": 1, "num_stages": 3}
     db = TuningDatabase()
     db.update(records({key: pick}, "NVIDIA H200"))

@@ -82,7 +82,7 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     import triton
 
     from inductor_ext.kernels.rms_norm import rms_norm_fwd_kernel
-    from inductor_ext.ops._library import candidate_configs, precompile_configs
+    from inductor_ext.ops._launch import candidate_configs, precompile_configs
 
     m, n = 300, 5000  # a row length no other test launches, so nothing is compiled yet
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -106,7 +106,7 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
     AUTOTUNE_BENCH_MS each; later launches time nothing."""
     import triton.testing
 
-    from inductor_ext.ops._library import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
+    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
 
     budgets = []
     real = triton.testing.do_bench
@@ -127,23 +127,32 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
 
 
 def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
-    """Within thorough_benchmarks (the standalone tuner's setting) a first launch autotunes without
-    quick_benchmarks; outside, with it."""
-    import contextlib
+    """Within thorough_benchmarks (the standalone tuner's setting) a first launch times every candidate
+    config with Triton's default budget; outside, the first QUICK_FIRST_LAUNCH_CONFIGS with AUTOTUNE_BENCH_MS."""
+    import triton.testing
 
-    from inductor_ext.ops import _library
+    from inductor_ext.ops._launch import candidate_configs
+    from inductor_ext.ops._launch_controls import (
+        AUTOTUNE_BENCH_MS,
+        QUICK_FIRST_LAUNCH_CONFIGS,
+        record_autotuned_launches,
+        thorough_benchmarks,
+    )
 
-    shortened = []
+    budgets = []
+    real = triton.testing.do_bench
 
-    @contextlib.contextmanager
-    def recording(kernel):
-        shortened.append(kernel)
-        yield
+    def recording(fn, *args, **kwargs):
+        budgets.append((kwargs.get("warmup"), kwargs.get("rep")))
+        return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(_library, "quick_benchmarks", recording)
+    monkeypatch.setattr(triton.testing, "do_bench", recording)
     x = torch.randn(77, 3001, device="cuda", dtype=torch.bfloat16)  # row lengths no other test launches
-    with _library.thorough_benchmarks():
+    with thorough_benchmarks(), record_autotuned_launches() as launches:
         inductor_ext.rms_norm(x)
-    assert shortened == [] and _library.DirectLaunch.quick_first_launch
+    ((kernel, args, kwargs),) = launches
+    candidates = len(candidate_configs(kernel, args, kwargs))
+    assert budgets == [(None, None)] * candidates and candidates > QUICK_FIRST_LAUNCH_CONFIGS  # Triton's defaults
+    budgets.clear()
     inductor_ext.rms_norm(torch.randn(77, 3003, device="cuda", dtype=torch.bfloat16))
-    assert len(shortened) == 1
+    assert budgets == [AUTOTUNE_BENCH_MS] * QUICK_FIRST_LAUNCH_CONFIGS

@@ -409,16 +409,13 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     direction keeps the functional op's name, under which the decision is stored."""
     from inductor_ext.inductor import choice
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
-    from inductor_ext.ops import _library
+    from inductor_ext.ops._launch_controls import record_autotuned_launches
     from inductor_ext.ops.cross_entropy import cross_entropy_family
 
     monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
-    launched = []
-    direct = _library._DIRECT
-    monkeypatch.setattr(
-        _library, "_DIRECT", lambda kernel, *a, **k: (launched.append(kernel), direct(kernel, *a, **k))[1]
-    )
-    fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
+    with record_autotuned_launches() as launches:
+        fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
+    launched = [kernel for kernel, _, _ in launches]
     assert (fwd.op, bwd.op) == (cross_entropy_family.fwd, cross_entropy_family.bwd)
     # one backward launch (its first), after the forward: none while its arguments were captured
     assert launched.count(cross_entropy_bwd_kernel) == 1 and cross_entropy_bwd_inplace_kernel not in launched
@@ -438,6 +435,57 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
             out = out[0] if isinstance(out, (tuple, list)) else out
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
             assert torch.equal(run_args[1], logits)  # the functional op leaves the logits alone
+
+
+def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
+    """measure_routes times our kernels on a worker thread and compiles Inductor's route on another;
+    both run in a copy of the caller's context. So the standalone tuner's thorough_benchmarks around
+    decide_routes (inductor_ext.autotune.tune) reaches the first launches it times, as do a forced
+    config and a launch log. The timings and Inductor's compile are stubbed (no GPU); the first
+    launches are real."""
+    import threading
+
+    from inductor_ext.inductor import choice
+    from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
+    from inductor_ext.ops._launch_controls import (
+        autotuned_launch_log,
+        force_launch_config,
+        forced_launch_config,
+        quick_first_launch_enabled,
+        record_autotuned_launches,
+        thorough_benchmarks,
+    )
+    from inductor_ext.ops.cross_entropy import cross_entropy_family
+
+    seen = {}
+
+    def settings():
+        return threading.get_ident(), quick_first_launch_enabled(), forced_launch_config(), autotuned_launch_log()
+
+    call_directions = choice.call_directions
+
+    def timing_thread_directions(*args, **kwargs):
+        seen["timing"] = settings()
+        return call_directions(*args, **kwargs)
+
+    def compile_math(math, args, options):
+        seen.setdefault("inductor", settings())
+        return lambda inputs: None
+
+    monkeypatch.setattr(choice, "call_directions", timing_thread_directions)
+    monkeypatch.setattr(choice, "compile_math", compile_math)
+    monkeypatch.setattr(choice, "time_direct", lambda *args: (1.0, 0.0))
+    monkeypatch.setattr(choice, "median_ms", lambda *args: (2.0, 0.0))
+    forced = {"NOT_A_PARAMETER": 1}  # forced for no kernel: the launches go on as usual
+    with thorough_benchmarks(), force_launch_config(forced), record_autotuned_launches() as launches:
+        decisions = choice.measure_routes(
+            cross_entropy_family, _ce_meta_call(6, 50), BackendOptions(), torch.device("cpu")
+        )
+    assert [d.route for d in decisions] == ["kernel", "kernel"]
+    here = threading.get_ident()
+    assert seen["timing"][0] not in (here, seen["inductor"][0]) and seen["inductor"][0] != here
+    assert seen["timing"][1:] == seen["inductor"][1:] == (False, forced, launches)
+    assert {kernel for kernel, _, _ in launches} >= {cross_entropy_fwd_kernel, cross_entropy_bwd_kernel}
 
 
 @pytest.mark.parametrize("make,expect_weight", [(LlamaRMSNorm, True), (GemmaRMSNorm, True), (FunctionalRMSNorm, True),

@@ -8,7 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.glu import search_space
-from inductor_ext.ops._library import force_launch_config
+from inductor_ext.ops._launch_controls import force_launch_config
 from inductor_ext.ops.glu import (
     geglu,
     geglu_packed,
@@ -213,18 +213,19 @@ def _activations(x: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
-def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed, monkeypatch):
+def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed):
     """``overwrite_inputs_in_backward``: the eager backward's input gradients are the inputs' own
     buffers, with the values of the ordinary backward, from the first call on: the launch that tunes
     the kernel (on a GPU it times every config, each writing over the inputs) restores them."""
-    from inductor_ext.ops._library import DirectLaunch, record_autotuned_launches
+    from inductor_ext.ops._launch import clear_tuned_launch_configs
+    from inductor_ext.ops._launch_controls import record_autotuned_launches
 
     f = (lambda g: swiglu_packed(g, overwrite_inputs_in_backward=True)) if packed else (
         lambda g, u: swiglu(g, u, overwrite_inputs_in_backward=True))  # fmt: skip
     plain = swiglu_packed if packed else swiglu
     dy = torch.randn(5, 48, device=DEVICE)
     x = torch.randn(5, 96 if packed else 48, device=DEVICE)
-    monkeypatch.setattr(DirectLaunch, "_tuned", {})  # nothing tuned yet: the overwriting launch tunes
+    clear_tuned_launch_configs()  # nothing tuned yet: the overwriting launch tunes
     inputs = _activations(x, packed)
     pointers = [t.data_ptr() for t in inputs]
     with record_autotuned_launches() as launches:

@@ -13,7 +13,7 @@ from inductor_ext.kernels.cross_entropy import (
     scale_rows_kernel,
     search_space,
 )
-from inductor_ext.ops._library import pruned_autotuner
+from inductor_ext.ops._launch import pruned_autotuner
 
 
 def _inplace_args(v: int) -> tuple:
@@ -40,7 +40,7 @@ def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
     """torch's kernel tracing re-wraps a pruning autotuner without ``restore_value``; ours must keep it.
     Inductor tunes the traced launch at compile time, so it gets a quick first launch's configs (the
     search space's first QUICK_FIRST_LAUNCH_CONFIGS); within thorough_benchmarks, all of them."""
-    from inductor_ext.ops._library import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.ops._launch_controls import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
 
     for v in (100, 32000, 262144):
         for thorough in (False, True):
@@ -82,28 +82,101 @@ def test_every_pruning_keeps_its_search_space_order():
     assert list(map(rope.RoPEConfig.from_triton, pruned)) == rope.search_space(32, 8, 64)
 
 
-def test_quick_first_launch_offers_the_first_configs_only_within():
-    """Within quick_first_launch the autotuner offers (and precompile_configs compiles) this launch's
-    first QUICK_FIRST_LAUNCH_CONFIGS configs, timed for AUTOTUNE_BENCH_MS; after it, every config again."""
+@pytest.mark.parametrize("thorough", [False, True], ids=["quick", "thorough"])
+def test_a_first_launch_tunes_on_an_autotuner_of_its_own(thorough):
+    """A first launch's autotuner offers (so precompile_configs compiles) this launch's first
+    QUICK_FIRST_LAUNCH_CONFIGS configs, timed for AUTOTUNE_BENCH_MS; within thorough_benchmarks every
+    config, with Triton's default timing. It is built for the launch: the kernel's own autotuner, which
+    another thread may be running and which Inductor reads, keeps its configs and benchmark settings."""
     from inductor_ext.kernels.norm_config import search_space as norm_search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.ops._library import (
-        AUTOTUNE_BENCH_MS,
-        QUICK_FIRST_LAUNCH_CONFIGS,
-        candidate_configs,
-        quick_first_launch,
-    )
+    from inductor_ext.ops._launch import candidate_configs, first_launch_autotuner
+    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
 
     args, kwargs = _rms_norm_bwd_args(4096), {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
     everything = rms_norm_bwd_kernel.configs
-    assert len(candidate_configs(rms_norm_bwd_kernel, args, kwargs)) == len(norm_search_space(4096, False)) > 4
-    with quick_first_launch(rms_norm_bwd_kernel, args, kwargs):
-        offered = candidate_configs(rms_norm_bwd_kernel, args, kwargs)
-        bench = rms_norm_bwd_kernel.do_bench
+    candidates = norm_search_space(4096, False)
+    assert len(candidate_configs(rms_norm_bwd_kernel, args, kwargs)) == len(candidates) > QUICK_FIRST_LAUNCH_CONFIGS
+    with thorough_benchmarks() if thorough else contextlib.nullcontext():
+        tuner = first_launch_autotuner(rms_norm_bwd_kernel, args, kwargs)
+    assert tuner is not rms_norm_bwd_kernel and tuner.fn is rms_norm_bwd_kernel.fn
+    kept = ("keys", "restore_value", "reset_to_zero")
+    assert [getattr(tuner, name) for name in kept] == [getattr(rms_norm_bwd_kernel, name) for name in kept]
+    in_place = first_launch_autotuner(cross_entropy_fwd_inplace_kernel, _inplace_args(32000), {"HAS_GRAD_SCALE": False})
+    assert in_place.restore_value == ["DLOGITS"]
+    offered = candidate_configs(tuner, args, kwargs)
+    expected = candidates if thorough else candidates[:QUICK_FIRST_LAUNCH_CONFIGS]
+    assert [str(c) for c in offered] == [str(c.to_triton()) for c in expected]
+    if thorough:
+        assert "do_bench" not in tuner.__dict__  # Triton's default, read when it first times
+    else:
+        bench = tuner.do_bench
         assert (bench.keywords["warmup"], bench.keywords["rep"]) == AUTOTUNE_BENCH_MS
-    first = norm_search_space(4096, False)[:QUICK_FIRST_LAUNCH_CONFIGS]
-    assert [str(c) for c in offered] == [str(c.to_triton()) for c in first]
     assert rms_norm_bwd_kernel.configs is everything and "do_bench" not in rms_norm_bwd_kernel.__dict__
+    assert getattr(rms_norm_bwd_kernel, "nargs", None) is None
+
+
+@pytest.fixture
+def no_tuned_launches():
+    """The eager picks' registry empty for the test, and emptied after it."""
+    from inductor_ext.ops._launch import clear_tuned_launch_configs
+
+    clear_tuned_launch_configs()
+    yield
+    clear_tuned_launch_configs()
+
+
+def test_a_first_launch_times_once_and_records_its_pick(monkeypatch, no_tuned_launches):
+    """A direct launch's GPU path, on CPU: the interpreter cannot time, so a stand-in for Triton's
+    ``do_bench`` (which the quick budget wraps) rates the second quick config fastest. The first launch
+    times the quick configs once each and records that pick, which later launches use without timing;
+    the kernel's own autotuner is left as it was, and the registry is read through copies."""
+    from inductor_ext.ops import _launch
+    from inductor_ext.ops._launch import (
+        DirectLaunch,
+        candidate_configs,
+        launch_key,
+        tuned_launch_config,
+        tuned_launch_configs,
+    )
+    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, quick_configs, record_autotuned_launches
+    from inductor_ext.ops.rms_norm import rms_norm_fwd_kernels, rms_norm_ref
+
+    timed = []
+
+    def do_bench(kernel_call, quantiles, warmup=None, rep=None):
+        kernel_call()
+        timed.append((warmup, rep))
+        ms = 1.0 if len(timed) == 2 else 2.0 + len(timed)
+        return [ms, ms, ms]
+
+    compiled = []
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    # (compiling ahead of the timing is Triton's warm-up, which needs a GPU)
+    monkeypatch.setattr(_launch, "precompile_configs", lambda kernel, grid, args, kwargs: compiled.append(kernel))
+    x, w = torch.randn(6, 300), torch.randn(300)
+    launch = DirectLaunch(interpreter=False)
+    with record_autotuned_launches() as launches:
+        y, _ = rms_norm_fwd_kernels(launch, x, w, 1e-6, 0.0, "llama")
+    ((kernel, args, kwargs),) = launches
+    configs, cache = kernel.configs, dict(kernel.cache)
+    quick = quick_configs(candidate_configs(kernel, args, kwargs))
+    assert len(quick) > 2 and timed == [AUTOTUNE_BENCH_MS] * len(quick)
+    assert [str(c) for c in candidate_configs(compiled[0], args, kwargs)] == [str(c) for c in quick]
+    assert tuned_launch_config(kernel, args, kwargs) == quick[1].all_kwargs()
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+    y, _ = rms_norm_fwd_kernels(launch, x, w, 1e-6, 0.0, "llama")
+    assert len(timed) == len(quick) and len(compiled) == 1  # tuned once per launch key
+    torch.testing.assert_close(y, rms_norm_ref(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert kernel.configs is configs and kernel.cache == cache and getattr(kernel, "nargs", None) is None
+    assert "do_bench" not in kernel.__dict__
+
+    snapshot = tuned_launch_configs()
+    snapshot[launch_key(kernel, args, kwargs)]["BLOCK_M"] = -1
+    snapshot.clear()
+    tuned_launch_config(kernel, args, kwargs)["BLOCK_M"] = -1
+    assert tuned_launch_configs() == {launch_key(kernel, args, kwargs): quick[1].all_kwargs()}
 
 
 def test_pruned_autotuner_passes_plain_kernels_through():
@@ -123,7 +196,7 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
 
     from inductor_ext.kernels.norm_config import search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.ops._library import precompile_configs
+    from inductor_ext.ops._launch import precompile_configs
 
     n, compiled = 3000, []
 
@@ -142,27 +215,41 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
     assert sorted(map(str, configs)) == sorted(map(str, expected)) and len(configs) == len(expected) > 1
     assert all(grid == (meta["BLOCK_M"],) and meta["HAS_WEIGHT"] for grid, meta in compiled)
     assert active_mode.get() is None
-    assert rms_norm_bwd_kernel.nargs is None  # the autotuner is left as Triton leaves it
-
-
-def test_quick_benchmarks_shortens_the_autotuners_timing_only_within():
-    """A first launch's autotuning times each config for AUTOTUNE_BENCH_MS (not Triton's 25 + 100 ms);
-    the autotuner itself keeps Triton's default, which Inductor requires of user kernels."""
-    from inductor_ext.kernels.glu import glu_fwd_kernel
-    from inductor_ext.ops._library import AUTOTUNE_BENCH_MS, quick_benchmarks
-
-    assert "do_bench" not in glu_fwd_kernel.__dict__
-    with quick_benchmarks(glu_fwd_kernel):
-        bench = glu_fwd_kernel.do_bench
-        assert (bench.keywords["warmup"], bench.keywords["rep"]) == AUTOTUNE_BENCH_MS
-    assert "do_bench" not in glu_fwd_kernel.__dict__
+    assert getattr(rms_norm_bwd_kernel, "nargs", None) is None  # the autotuner is left as Triton leaves it
 
 
 def test_thorough_benchmarks_turn_the_quick_first_launch_off_only_within():
-    from inductor_ext.ops._library import DirectLaunch, thorough_benchmarks
+    from inductor_ext.ops._launch_controls import quick_first_launch_enabled, thorough_benchmarks
 
-    assert DirectLaunch.quick_first_launch
+    assert quick_first_launch_enabled()
     with pytest.raises(RuntimeError, match="inside"), thorough_benchmarks():
-        assert not DirectLaunch.quick_first_launch
+        assert not quick_first_launch_enabled()
         raise RuntimeError("inside")
-    assert DirectLaunch.quick_first_launch
+    assert quick_first_launch_enabled()
+
+
+def test_launch_settings_hold_in_their_own_thread_only():
+    """Each setting is a context variable: another thread does not see it, unless it runs in a copy
+    of the setter's context (as route timing's threads do: tests/inductor/test_backend.py)."""
+    import concurrent.futures
+    import contextvars
+
+    from inductor_ext.ops._launch_controls import (
+        autotuned_launch_log,
+        force_launch_config,
+        forced_launch_config,
+        quick_first_launch_enabled,
+        record_autotuned_launches,
+        thorough_benchmarks,
+    )
+
+    def settings():
+        return quick_first_launch_enabled(), forced_launch_config(), autotuned_launch_log()
+
+    config = {"BLOCK_M": 1}
+    with thorough_benchmarks(), force_launch_config(config), record_autotuned_launches() as log:
+        assert settings() == (False, config, log)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            assert pool.submit(settings).result() == (True, None, None)
+            assert pool.submit(contextvars.copy_context().run, settings).result() == (False, config, log)
+    assert settings() == (True, None, None)

@@ -1,0 +1,134 @@
+"""Tuning-time controls of eager kernel launches: how a first launch tunes, a forced config, a launch log.
+
+Each setting is a :class:`contextvars.ContextVar` set by a context manager here, so it holds for the
+code inside the block, in this thread (and in asyncio tasks it starts), and for nothing running
+elsewhere at the same time. Work handed to another thread sees a setting only when it runs in a
+copy of the caller's context (``contextvars.copy_context().run``): route timing
+(:func:`inductor_ext.inductor.choice.measure_routes`) does so for its worker threads.
+
+Read by the launches (:mod:`inductor_ext.ops._launch`); imports nothing of the package.
+"""
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import triton
+import triton.testing
+
+LaunchRecord = tuple[Any, tuple[Any, ...], dict[str, Any]]
+"""A launch as recorded: (kernel, args, kwargs)."""
+
+QUICK_FIRST_LAUNCH_CONFIGS = 4
+"""Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
+space, heuristic's favourite first (:mod:`inductor_ext.kernels.ranking`). Compiling and timing
+every config was most of a cold ``fastops_inductor`` compile (H200, 4-layer decoder: 96 configs,
+13.9 s of first launches in a 31.5 s compile). In a re-timing of every config on the H200
+at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
+(2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
+The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
+
+
+def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """What a quick first launch (or Inductor's tuning of a traced launch) times of a launch's
+    pruned ``configs``: the first :data:`QUICK_FIRST_LAUNCH_CONFIGS`."""
+    return configs[:QUICK_FIRST_LAUNCH_CONFIGS]
+
+
+AUTOTUNE_BENCH_MS = (5, 25)
+"""Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
+25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
+before every run: at the defaults, about 0.14 s per config, which made up most of a cold route
+timing's "first launches" on the H200 (≈ 0.2 s per config all told, 68 configs in a decoder).
+25 ms still gives ≥ 25 runs of a 1 ms kernel and hundreds of a 20 µs one for the median."""
+
+
+def quick_do_bench() -> Callable[..., Any]:
+    """Triton's ``do_bench`` timing each config for :data:`AUTOTUNE_BENCH_MS` instead of Triton's
+    defaults: what a quick first launch's autotuner benchmarks with. Set only on the autotuner a
+    first launch builds for itself, never on a kernel's own: Inductor accepts a user kernel's
+    autotuner only with the default benchmark settings."""
+    warmup, rep = AUTOTUNE_BENCH_MS
+    return functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)
+
+
+_thorough: contextvars.ContextVar[bool] = contextvars.ContextVar("fastops_thorough_benchmarks", default=False)
+_forced_config: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "fastops_forced_launch_config", default=None
+)
+_launch_log: contextvars.ContextVar[list[LaunchRecord] | None] = contextvars.ContextVar(
+    "fastops_autotuned_launch_log", default=None
+)
+_dry_run_log: contextvars.ContextVar[list[LaunchRecord] | None] = contextvars.ContextVar(
+    "fastops_dry_run_log", default=None
+)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def quick_first_launch_enabled() -> bool:
+    """Whether first launches are quick here: they time the first :data:`QUICK_FIRST_LAUNCH_CONFIGS`
+    configs for :data:`AUTOTUNE_BENCH_MS` each, and so does Inductor when it tunes a traced launch
+    (``ops._launch.pruned_autotuner``). False within :func:`thorough_benchmarks`: every config,
+    Triton's full budget."""
+    return not _thorough.get()
+
+
+@contextlib.contextmanager
+def thorough_benchmarks() -> Iterator[None]:
+    """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
+    :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's
+    setting, where a pick matters more than the seconds (H200, Llama-3-8B shapes: the
+    worst pick was 4.2% off the best re-timed config with the short budget, 2.4% with the full one)."""
+    with _setting(_thorough, True):
+        yield
+
+
+def forced_launch_config() -> dict[str, Any] | None:
+    """The config set by the innermost :func:`force_launch_config` around this call, or None."""
+    return _forced_config.get()
+
+
+@contextlib.contextmanager
+def force_launch_config(config: dict[str, Any] | None) -> Iterator[None]:
+    """Make eager launches use ``config`` (a Triton config's kwargs, plus ``num_warps``) instead of tuning,
+    for the kernels that take its parameters (the op's other kernels launch as usual)."""
+    with _setting(_forced_config, config):
+        yield
+
+
+def autotuned_launch_log() -> list[LaunchRecord] | None:
+    """The list the innermost :func:`record_autotuned_launches` around this call fills, or None."""
+    return _launch_log.get()
+
+
+@contextlib.contextmanager
+def record_autotuned_launches() -> Iterator[list[LaunchRecord]]:
+    """The eager launches of autotuned kernels made inside the block: (kernel, args, kwargs) each."""
+    launches: list[LaunchRecord] = []
+    with _setting(_launch_log, launches):
+        yield launches
+
+
+def dry_run_log() -> list[LaunchRecord] | None:
+    """The list the innermost :func:`dry_run_launches` around this call fills, or None."""
+    return _dry_run_log.get()
+
+
+@contextlib.contextmanager
+def dry_run_launches() -> Iterator[list[LaunchRecord]]:
+    """Within: eager launches of every kernel, autotuned or not, are recorded as (kernel, args, kwargs)
+    and not run. For looking at what the ops would launch without a GPU (on fake CUDA tensors:
+    ``python -m inductor_ext.bench compile_cost``)."""
+    launches: list[LaunchRecord] = []
+    with _setting(_dry_run_log, launches):
+        yield launches
