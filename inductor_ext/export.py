@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from inductor_ext import _compat
 from inductor_ext.cxx_runtime import promote_cxx_runtime
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
@@ -77,7 +78,7 @@ def export(
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(program.graph_module)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with route_ops(planner.traces_math):
+    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
         package = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=patches)
     return Path(package)
 

@@ -10,7 +10,8 @@ Five steps on the graph Dynamo hands over, then Inductor:
 3. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
 4. ``compile_fx`` with our Inductor config patches (multi-kernel on by default,
    compile-time autotuning with ``cpp_wrapper``), while the op bodies trace the
-   chosen routes.
+   chosen routes, and with the fixes of :mod:`inductor_ext._compat` installed for the
+   compile and for the backward's lazy compile (only then: stock ``torch.compile`` is untouched).
 
 Options: :mod:`inductor_ext.inductor.options`.
 """
@@ -23,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch._dynamo import register_backend
 
-from inductor_ext.inductor import kernel_analysis_cache, upstream_fixes
+from inductor_ext import _compat
 from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
@@ -34,9 +35,6 @@ from inductor_ext.ops._library import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 
 BACKEND_NAME = "fastops_inductor"
-
-upstream_fixes.apply()
-kernel_analysis_cache.install()
 
 
 def fastops_inductor(
@@ -74,8 +72,18 @@ def fastops_inductor(
     )
     user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = FastopsGraphPass(state, chained=user_pass)
-    with route_ops(planner.traces_math):
-        return cast(Callable[..., Any], compile_fx(gm, example_inputs, config_patches=patches))
+    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
+        compiled = compile_fx(gm, example_inputs, inner_compile=compile_fx_inner_patched, config_patches=patches)
+    return cast(Callable[..., Any], compiled)
+
+
+def compile_fx_inner_patched(*args: Any, **kwargs: Any) -> Any:
+    """Inductor's ``compile_fx_inner`` with :mod:`inductor_ext._compat`'s fixes installed: what compiles the
+    forward, and the backward when AOTAutograd compiles it lazily, at the first ``.backward()``."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with _compat.applied(_compat.inductor_patches()):
+        return compile_fx_inner(*args, **kwargs)
 
 
 # When the distribution is installed, Dynamo finds the backend through the

@@ -25,6 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._ops import OpOverload
 
+from inductor_ext import _compat
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops._launch import tuned_launch_configs
 from inductor_ext.ops._library import (
@@ -378,5 +379,6 @@ def compile_math(
     gm = make_fx(with_tensors, tracing_mode="fake")(*tensors)
     # the wrapper language does not change the kernels being timed
     patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}
-    compiled = cast(Callable[..., Any], compile_fx(gm, tensors, config_patches=patches))
+    with _compat.applied(_compat.inductor_patches()):  # the standalone tuner compiles outside the backend
+        compiled = cast(Callable[..., Any], compile_fx(gm, tensors, config_patches=patches))
     return lambda inputs: compiled(*[inputs[i] for i in positions])

@@ -7,8 +7,9 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
 - every MLP instance of the family's class whose activation our GLU ops fuse: the activation and
   the product become one ``swiglu``/``geglu`` (packed for Phi-3);
 - RoPE: the family's module-level ``apply_rotary_pos_emb`` (which the attention modules look up
-  there) becomes our kernel's. This one is process-wide for that family, as it is transformers'
-  own function; it is restored when the last patched model of the family is unapplied;
+  there) becomes our kernel's (:mod:`inductor_ext._compat.transformers_rope`). This one is process-wide
+  for that family, as it is transformers' own function; it is restored when the last patched model of
+  the family is unapplied;
 - PEFT LoRA layers (``lora=True``, :mod:`inductor_ext.models.peft_lora`): each fusable
   ``lora.Linear``'s forward becomes one fused ``lora_linear``, and a gated MLP whose three
   projections are all fusable becomes one ``lora_mlp``; LoRA layers it cannot fuse stay PEFT's,
@@ -35,11 +36,13 @@ import importlib
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from inductor_ext import _compat
+from inductor_ext._compat.transformers_rope import rope_patch
 from inductor_ext.models import attention as attention_interface
 from inductor_ext.models import forwards, peft_lora
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
@@ -77,14 +80,13 @@ class _Patched:
     report: PatchReport
     instances: list[tuple[torch.nn.Module, tuple[str, ...]]]
     """(module, instance attributes set on it)."""
-    rope_module: Any = None
+    rope_patches: list[_compat.Patch] = dataclasses.field(default_factory=list)
+    """The transformers RoPE patch this model holds (:mod:`inductor_ext._compat.transformers_rope`)."""
     attention_implementation: str | None = None
     """The ``attn_implementation`` the model had before :data:`~inductor_ext.models.attention.ATTENTION`."""
 
 
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Patched]" = weakref.WeakKeyDictionary()
-_ROPE_PATCHES: dict[str, tuple[Callable[..., Any], int]] = {}
-"""Modeling module name -> (transformers' apply_rotary_pos_emb, number of patched models using ours)."""
 
 
 def apply(
@@ -211,10 +213,13 @@ def apply(
             _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: {what}")
     if rope:
         if callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-            original, count = _ROPE_PATCHES.get(modeling.__name__, (modeling.apply_rotary_pos_emb, 0))
-            setattr(modeling, "apply_rotary_pos_emb", forwards.hf_apply_rotary_pos_emb)  # noqa: B010
-            _ROPE_PATCHES[modeling.__name__] = (original, count + 1)
-            patched.rope_module, report.rope = modeling, True
+            patch = rope_patch(modeling.__name__, forwards.hf_apply_rotary_pos_emb)
+            patched.rope_patches = _compat.acquire([patch])
+            report.rope = bool(patched.rope_patches)
+            if not report.rope:
+                _warn(
+                    report, modeling.__name__, "RoPE is left as it is on this transformers version (a warning said why)"
+                )
         else:
             _warn(report, modeling.__name__, "has no apply_rotary_pos_emb: RoPE is left as it is")
     return report
@@ -231,14 +236,7 @@ def unapply(model: torch.nn.Module) -> None:
             delattr(module, attribute)
     if patched.attention_implementation is not None:
         hf_model.set_attn_implementation(patched.attention_implementation)  # type: ignore[operator]  # transformers'
-    if patched.rope_module is not None:
-        name = patched.rope_module.__name__
-        original, count = _ROPE_PATCHES[name]
-        if count == 1:
-            patched.rope_module.apply_rotary_pos_emb = original
-            del _ROPE_PATCHES[name]
-        else:
-            _ROPE_PATCHES[name] = (original, count - 1)
+    _compat.release(patched.rope_patches)
 
 
 @contextlib.contextmanager

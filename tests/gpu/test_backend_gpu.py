@@ -7,7 +7,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401
-from inductor_ext.inductor import choice, kernel_analysis_cache
+from inductor_ext._compat import kernel_analysis_cache
+from inductor_ext.inductor import choice
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -132,7 +133,7 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"])
 def test_second_process_loads_multi_kernels_from_the_fx_graph_cache(tmp_path):
     """The second process to compile the same graph loads it, multi-kernels included, from the
     FX-graph cache: torch 2.11 hands those kernels back without their JIT function's hash lock and
-    the multi-kernel's cache lookup raised (inductor/upstream_fixes.py)."""
+    the multi-kernel's cache lookup raised (inductor_ext/_compat/torch_fixes.py)."""
     import os
     import subprocess
     import sys
@@ -149,7 +150,7 @@ def test_second_process_loads_multi_kernels_from_the_fx_graph_cache(tmp_path):
 
 
 def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
-    """inductor/kernel_analysis_cache.py: a stack of LlamaRMSNorm + cross-entropy launches under the
+    """inductor_ext/_compat/kernel_analysis_cache.py: a stack of LlamaRMSNorm + cross-entropy launches under the
     kernel route, compiled once with the memo and once with torch's own analysis (caches off, so
     both trace): torch's functionalization gets the same written tensors for every launch, the memo
     answered the repeated launches, and the results agree."""
@@ -164,7 +165,9 @@ def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
             x = norm(x)
         return torch.nn.functional.cross_entropy(x.reshape(-1, 2048).float(), labels)
 
-    name, memo = kernel_analysis_cache.installed_memo()
+    torchs = next(getattr(triton_kernel_wrap, n) for n in kernel_analysis_cache.ANALYSIS_FUNCTIONS
+                  if hasattr(triton_kernel_wrap, n))  # fmt: skip
+    memo = kernel_analysis_cache.memo_of(torchs)  # what the backend's compiles install
     recorded = []
     original_get_mutated = triton_kernel_wrap.get_mutated_tensors
 
@@ -175,8 +178,8 @@ def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
     monkeypatch.setattr(triton_kernel_wrap, "get_mutated_tensors", recording)
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     results = []
-    for analysis in (memo, memo.__wrapped__):
-        monkeypatch.setattr(triton_kernel_wrap, name, analysis)
+    for cached in (True, False):
+        monkeypatch.setenv("INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", "1" if cached else "0")
         torch._dynamo.reset()
         recorded.append([])
         hits_before = memo.hits
@@ -185,7 +188,7 @@ def test_kernel_analysis_memo_gives_torchs_answers(monkeypatch):
         loss = compiled(xi)
         (dx,) = torch.autograd.grad(loss, (xi,))
         results.append((loss, dx))
-        if analysis is memo:
+        if cached:
             assert memo.hits > hits_before
     assert recorded[0] and recorded[0] == recorded[1]
     # each compile tunes the kernels' configs anew, so the picks (and reduction orders) may differ

@@ -2,7 +2,7 @@
 ``fastops_inductor`` with ``options={"cpp_wrapper": True}`` and multi-kernel on, both graphs as C++,
 and the loss and gradients stay within bf16 noise of the Python-wrapper run. On torch 2.11 the
 lazily compiled backward lost the cpp-wrapper config (``CudaKernelParamCache not populated for``
-its first kernel, stock Inductor too): inductor/upstream_fixes.py, tests/inductor/test_cpp_wrapper_backward.py."""
+its first kernel, stock Inductor too): inductor_ext/_compat/torch_fixes.py, tests/inductor/test_cpp_wrapper_backward.py."""
 
 import pytest
 import torch

@@ -221,14 +221,17 @@ def test_fx_graph_cache_misses_when_our_options_change(monkeypatch, tmp_path):
 
 
 def test_kernels_from_the_fx_graph_cache_get_their_hash_lock_back():
-    """Importing the backend patches torch's StaticAutotunerFuture (inductor/upstream_fixes.py): a
-    kernel loaded from the FX-graph cache comes with ``fn._hash_lock = None``, on which a
-    multi-kernel's ``fn.cache_key`` raised (seen on the H200 with torch 2.11, second process).
+    """inductor_ext/_compat/torch_fixes.py, installed during our compiles: a kernel loaded from the FX-graph
+    cache comes with ``fn._hash_lock = None``, on which a multi-kernel's ``fn.cache_key`` raised (seen on
+    the H200 with torch 2.11, second process); torch's own ``StaticAutotunerFuture`` leaves it None.
     tests/gpu/test_backend_gpu.py checks the real cache hit."""
     import threading
     import types
 
     from torch._inductor.codecache import StaticAutotunerFuture
+
+    from inductor_ext import _compat
+    from inductor_ext._compat import torch_fixes
 
     class CachedKernel:  # what the FX-graph cache hands back: a CachingAutotuner after prepare_for_pickle
         def __init__(self):
@@ -240,9 +243,14 @@ def test_kernels_from_the_fx_graph_cache_get_their_hash_lock_back():
         def precompile(self, **kwargs):
             pass
 
-    future = StaticAutotunerFuture(CachedKernel())
-    future.reload_kernel_from_src = lambda: None
-    lock = future.result().fn._hash_lock
+    def cached_kernel_lock():
+        future = StaticAutotunerFuture(CachedKernel())
+        future.reload_kernel_from_src = lambda: None
+        return future.result().fn._hash_lock
+
+    assert cached_kernel_lock() is None  # torch's own result()
+    with _compat.applied(torch_fixes.PATCHES):
+        lock = cached_kernel_lock()
     assert isinstance(lock, type(threading.RLock()))
     with lock:  # what JITFunction.cache_key does
         pass

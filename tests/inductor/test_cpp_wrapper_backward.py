@@ -2,7 +2,7 @@
 and must still be compiled with the cpp-wrapper config (``triton.store_cubin``, compile-time
 autotuning). Without it, on CUDA, the backward's kernels never reach ``CudaKernelParamCache`` and
 the C++ codegen asserts ``CudaKernelParamCache not populated`` (torch 2.11; the workaround is in
-inductor/upstream_fixes.py). The cubins themselves need a GPU: tests/gpu/test_cpp_wrapper_training_gpu.py.
+inductor_ext/_compat/torch_fixes.py). The cubins themselves need a GPU: tests/gpu/test_cpp_wrapper_training_gpu.py.
 """
 
 import pytest
@@ -12,8 +12,9 @@ from torch._inductor import config
 from torch._inductor.debug import DebugContext
 from torch._inductor.graph import GraphLowering
 
-import inductor_ext  # noqa: F401  (registers the backend, applies the upstream fixes)
-from inductor_ext.inductor import upstream_fixes
+import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext import _compat
+from inductor_ext._compat import torch_fixes
 
 # compile_fx_inner's own defaults for the graph kwargs (torch 2.11 and 2.13 alike)
 _INNER_DEFAULTS = {
@@ -37,12 +38,6 @@ def _compile_fx_inner_as_in_torch_2_11(gm, example_inputs, **kwargs):
         kwargs.setdefault(key, value)
     with torch.utils._python_dispatch._disable_current_modes(), DebugContext():
         return compile_fx_module._compile_fx_inner(gm, example_inputs, **kwargs)
-
-
-def _unpatched():
-    """torch's own ``_compile_fx_inner``, with or without our wrapper installed."""
-    current = compile_fx_module._compile_fx_inner
-    return current.__wrapped__ if getattr(current, "applies_cpp_wrapper_config", False) else current
 
 
 def _record_cpp_wrapper_codegen(monkeypatch) -> list[tuple[bool, bool]]:
@@ -83,18 +78,26 @@ def _compile_fx_with_options_cpp_wrapper(gm, example_inputs):
 def test_without_the_fix_the_lazy_backward_is_generated_without_store_cubin(monkeypatch):
     """The bug, reproduced on CPU with torch 2.11's compile_fx_inner: the forward is generated
     inside compile_fx's cpp-wrapper patch, the backward only at ``.backward()``, outside it."""
-    monkeypatch.setattr(compile_fx_module, "_compile_fx_inner", _unpatched())
     after_forward, seen = _train_step_seen(monkeypatch, _compile_fx_with_options_cpp_wrapper)
     assert after_forward == [(False, True)]  # the backward is not compiled yet
     assert seen == [(False, True), (True, False)]
 
 
 def test_with_the_fix_the_lazy_backward_gets_the_cpp_wrapper_config(monkeypatch):
-    fixed = compile_fx_module._compile_fx_inner
-    if not getattr(fixed, "applies_cpp_wrapper_config", False):  # torch has the fix: apply() left it alone
-        fixed = upstream_fixes._with_cpp_wrapper_config(fixed)
-        monkeypatch.setattr(compile_fx_module, "_compile_fx_inner", fixed)
-    after_forward, seen = _train_step_seen(monkeypatch, _compile_fx_with_options_cpp_wrapper)
+    """The fix installed around each compile, as the backend's ``compile_fx_inner_patched`` does (forced
+    on where torch has the upstream fix, to run torch 2.11's path)."""
+    monkeypatch.setattr(torch_fixes, "compile_fx_inner_applies_cpp_wrapper_config", lambda: False)
+
+    def inner_with_the_fix(gm, example_inputs, **kwargs):
+        with _compat.applied(torch_fixes.PATCHES):
+            return _compile_fx_inner_as_in_torch_2_11(gm, example_inputs, **kwargs)
+
+    def backend(gm, example_inputs):
+        return compile_fx_module.compile_fx(
+            gm, example_inputs, inner_compile=inner_with_the_fix, config_patches={"cpp_wrapper": True}
+        )
+
+    after_forward, seen = _train_step_seen(monkeypatch, backend)
     assert after_forward == [(False, True)]
     assert seen == [(False, True), (True, True)]
 
@@ -120,7 +123,7 @@ def test_the_fix_patches_only_a_cpp_wrapper_graph_compiled_outside_compile_fx(mo
         seen.append((config.triton.store_cubin, config.triton.autotune_at_compile_time))
         return "compiled"
 
-    wrapped = upstream_fixes._with_cpp_wrapper_config(compile_graph)
+    wrapped = torch_fixes._with_cpp_wrapper_config(compile_graph)
     default_autotune = config.triton.autotune_at_compile_time
     # our backend's own patch (options), which compile_fx re-enters around inner_compile
     with config.patch({"triton.autotune_at_compile_time": True}):
@@ -137,22 +140,20 @@ def test_the_fix_patches_only_a_cpp_wrapper_graph_compiled_outside_compile_fx(mo
         wrapped(None, [], cpp_wrapper=True)
 
 
-def test_the_fix_is_installed_once_and_only_where_torch_lacks_it(monkeypatch):
-    original = compile_fx_module._compile_fx_inner
-    assert getattr(original, "applies_cpp_wrapper_config", False) != (
-        upstream_fixes.compile_fx_inner_applies_cpp_wrapper_config()
-    )
+def test_the_fix_is_installed_only_where_torch_lacks_it_and_only_while_compiling(monkeypatch):
+    (patch,) = [p for p in torch_fixes.PATCHES if p.target.endswith(":_compile_fx_inner")]
+    torchs = compile_fx_module._compile_fx_inner
     if torch.__version__ >= (2, 13):
-        assert upstream_fixes.compile_fx_inner_applies_cpp_wrapper_config()  # the upstream fix
-
-    unpatched = _unpatched()
-    monkeypatch.setattr(compile_fx_module, "_compile_fx_inner", unpatched)
-    monkeypatch.setattr(upstream_fixes, "compile_fx_inner_applies_cpp_wrapper_config", lambda: False)
-    upstream_fixes.reapply_cpp_wrapper_config_in_lazy_compiles()
-    once = compile_fx_module._compile_fx_inner
-    upstream_fixes.reapply_cpp_wrapper_config_in_lazy_compiles()
-    assert compile_fx_module._compile_fx_inner is once
-    assert once.applies_cpp_wrapper_config and once.__wrapped__ is unpatched
+        assert torch_fixes.compile_fx_inner_applies_cpp_wrapper_config()  # the upstream fix
+        with _compat.applied([patch]):
+            assert compile_fx_module._compile_fx_inner is torchs
+    monkeypatch.setattr(torch_fixes, "compile_fx_inner_applies_cpp_wrapper_config", lambda: False)
+    with _compat.applied([patch]):
+        once = compile_fx_module._compile_fx_inner
+        with _compat.applied([patch]):  # nested (a lazy backward inside a compile): installed once
+            assert compile_fx_module._compile_fx_inner is once
+        assert once is not torchs and once.__wrapped__ is torchs
+    assert compile_fx_module._compile_fx_inner is torchs
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""inductor/kernel_analysis_cache.py: torch's per-launch read/write analysis of user-defined Triton
+"""inductor_ext/_compat/kernel_analysis_cache.py: torch's per-launch read/write analysis of user-defined Triton
 kernels is answered once per (kernel, dtypes, plain values), and never for a launch whose answer
 could differ. The analysis itself needs a GPU driver (on CPU torch falls back to "every tensor
 is written"), so these tests count calls to a stand-in; tests/gpu/test_backend_gpu.py runs the
@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.interpreter import InterpretedFunction
 
-import inductor_ext  # noqa: F401  (imports the backend, which installs the memo)
-from inductor_ext.inductor import kernel_analysis_cache
+from inductor_ext import _compat
+from inductor_ext._compat import kernel_analysis_cache
 from tests.inductor.kernels_for_analysis import copy_if, copy_if_kernel
 
 
@@ -43,15 +43,19 @@ def launch(x, y, n=16, copy=True):
     return {"X": x, "Y": y, "N": n, "COPY": copy, "BLOCK": 16}
 
 
-def test_backend_import_installs_it_on_torchs_analysis():
+def test_the_memo_is_on_torchs_analysis_only_while_our_compiles_run():
     from torch._higher_order_ops import triton_kernel_wrap
 
-    installed = [
-        name
-        for name in kernel_analysis_cache.ANALYSIS_FUNCTIONS
-        if getattr(getattr(triton_kernel_wrap, name, None), "memoized_by_inductor_ext", False)
-    ]
-    assert len(installed) == 1, installed
+    def current():
+        return {name: getattr(triton_kernel_wrap, name) for name in kernel_analysis_cache.ANALYSIS_FUNCTIONS
+                if hasattr(triton_kernel_wrap, name)}  # fmt: skip
+
+    torchs = current()
+    assert len(torchs) == 1 and not any(f in kernel_analysis_cache._MEMOS.values() for f in torchs.values())
+    with _compat.applied(kernel_analysis_cache.patches({})):
+        ((name, memo),) = current().items()
+        assert memo is kernel_analysis_cache.memo_of(torchs[name]) and memo.__wrapped__ is torchs[name]
+    assert current() == torchs
 
 
 def test_repeated_launches_are_analysed_once(counted, fake):
@@ -124,15 +128,9 @@ def test_each_caller_gets_its_own_copy(counted, fake):
     assert memo(copy_if_kernel, launch(fake["f32"], fake["f32"]), {}) == ["Y"]
 
 
-def test_the_environment_can_leave_torch_alone(monkeypatch):
-    from torch._higher_order_ops import triton_kernel_wrap
-
-    name, memo = kernel_analysis_cache.installed_memo()
-    monkeypatch.setattr(triton_kernel_wrap, name, memo.__wrapped__)
-    kernel_analysis_cache.install({"INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS": "0"})
-    assert kernel_analysis_cache.installed_memo() is None
-    kernel_analysis_cache.install({})
-    assert kernel_analysis_cache.installed_memo() is not None
+def test_the_environment_can_leave_torch_alone():
+    assert kernel_analysis_cache.patches({"INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS": "0"}) == []
+    assert len(kernel_analysis_cache.patches({})) == len(kernel_analysis_cache.ANALYSIS_FUNCTIONS)
 
 
 def test_the_least_recently_used_answer_goes_first(counted, fake, monkeypatch):

@@ -1,4 +1,4 @@
-"""The partitioner fix in inductor/upstream_fixes.py: a compiled fused linear cross-entropy in
+"""The partitioner fix in inductor_ext/_compat/torch_fixes.py: a compiled fused linear cross-entropy in
 ``weight_grad_accumulation="weight_dtype"`` mode keeps exactly the two gradients for the backward
 (every chunk's accumulation stays in the forward), and its results are eager's."""
 
@@ -41,3 +41,27 @@ def test_compiled_weight_dtype_loss_saves_only_its_gradients(fresh_dynamo):
     assert rel_err(loss, expected_loss) < 1e-3
     for got, want in zip(grads, expected):
         assert rel_err(got, want) < 2e-2, rel_err(got, want)
+
+
+def test_an_opaque_mutating_ops_output_is_fusible_to_torch_and_not_with_the_fix():
+    """The rule itself: torch's ``OpTypes.is_fusible`` counts a getitem of ``auto_functionalized`` as
+    fusible (the bug); with the fix installed, as during our compiles, it does not."""
+    import operator
+
+    from torch._functorch import partitioners
+
+    from inductor_ext import _compat
+    from inductor_ext._compat import torch_fixes
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    opaque = graph.call_function(
+        torch.ops.higher_order.auto_functionalized, (torch.ops.aten.add_.Tensor,), {"self": x, "other": x}
+    )
+    output = graph.call_function(operator.getitem, (opaque, 1))
+    op_types = partitioners.get_default_op_list()
+    assert op_types.is_fusible(output)
+    with _compat.applied(torch_fixes.PATCHES):
+        assert not op_types.is_fusible(output)
+        assert op_types.is_fusible(graph.call_function(operator.getitem, (x, 0)))
+    assert op_types.is_fusible(output)

@@ -18,8 +18,9 @@ the memo key is the ``JITFunction``, those dtypes, the symbolic markers and the 
 A launch with anything else (a real tensor, a TMA descriptor, an unfamiliar type) is analysed
 as before, uncached. Each caller gets its own deep copy of the answer.
 
-Installed when the backend is imported; ``INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS=0`` leaves torch's
-function alone (for A/B timing).
+Installed while our compiles run (:func:`patches`, through :func:`inductor_ext._compat.applied`), the
+memo kept from one compile to the next; ``INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS=0`` leaves torch's function
+alone (for A/B timing).
 """
 
 import collections
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.inductor.options import env_flag
+from inductor_ext._compat import Patch
 
 ANALYSIS_FUNCTIONS = ("identify_accessed_tensors", "identify_mutated_tensors")
 """torch's per-launch analysis, by the name it has in torch 2.13 and in torch 2.11 (same arguments:
@@ -96,31 +97,34 @@ def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
                 answers.popitem(last=False)
         return copy.deepcopy(answers[key])
 
-    wrapped.memoized_by_inductor_ext = True  # type: ignore[attr-defined]
     wrapped.answers = answers  # type: ignore[attr-defined]
     wrapped.hits = 0  # type: ignore[attr-defined]
     return wrapped
 
 
-def install(env: Mapping[str, str] = os.environ) -> None:
-    """Memoize whichever of :data:`ANALYSIS_FUNCTIONS` this torch has (callers import it at call
-    time, so replacing the module attribute reaches them), unless the environment turns it off."""
-    if not env_flag(env, "INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", True):
-        return
-    from torch._higher_order_ops import triton_kernel_wrap
-
-    for name in ANALYSIS_FUNCTIONS:
-        analysis = getattr(triton_kernel_wrap, name, None)
-        if analysis is not None and not getattr(analysis, "memoized_by_inductor_ext", False):
-            setattr(triton_kernel_wrap, name, memoized(analysis))
+_MEMOS: dict[Callable[..., Any], Callable[..., Any]] = {}
+"""torch's analysis function -> its memo (one per function, kept across compiles)."""
 
 
-def installed_memo() -> tuple[str, Callable[..., Any]] | None:
-    """(name, memo) of the analysis function torch now calls through :func:`memoized`, or None."""
-    from torch._higher_order_ops import triton_kernel_wrap
+def memo_of(analysis: Callable[..., Any]) -> Callable[..., Any]:
+    """The one :func:`memoized` wrapper of ``analysis``."""
+    if analysis not in _MEMOS:
+        _MEMOS[analysis] = memoized(analysis)
+    return _MEMOS[analysis]
 
-    for name in ANALYSIS_FUNCTIONS:
-        analysis = getattr(triton_kernel_wrap, name, None)
-        if analysis is not None and getattr(analysis, "memoized_by_inductor_ext", False):
-            return name, analysis
-    return None
+
+def patches(env: Mapping[str, str] = os.environ) -> list[Patch]:
+    """The memo on whichever of :data:`ANALYSIS_FUNCTIONS` this torch has (callers import it at call time,
+    so replacing the module attribute reaches them); none when the environment turns it off."""
+    if env.get("INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", "1").lower() in ("0", "false", "no", "off"):
+        return []
+    return [
+        Patch(
+            f"memoize_{name}",
+            f"torch._higher_order_ops.triton_kernel_wrap:{name}",
+            memo_of,
+            tested=((2, 11), (2, 13)),
+            upstream="torch/_higher_order_ops/triton_kernel_wrap.py: the analysis is not cached",
+        )
+        for name in ANALYSIS_FUNCTIONS
+    ]

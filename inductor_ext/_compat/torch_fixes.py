@@ -1,5 +1,6 @@
-"""Workarounds for PyTorch bugs that the backend's defaults run into; each names the bug and the
-versions it was seen in, and is applied once, when the backend is imported.
+"""Workarounds for PyTorch bugs that the backend's defaults run into (:data:`PATCHES`); each names the
+bug and the versions it was seen in, and is installed only while our compiles run
+(:func:`inductor_ext._compat.applied`).
 
 **Multi-kernels loaded from the FX-graph cache crash** (torch 2.11 on the H200; the same code in
 2.13). With the static Triton launcher (Inductor's default on CUDA), the kernels of a cached
@@ -55,15 +56,7 @@ from typing import Any
 
 import torch
 
-
-def restore_hash_locks_of_cached_kernels() -> None:
-    """Wrap ``StaticAutotunerFuture.result`` so that the kernel it returns has a usable ``_hash_lock``."""
-    from torch._inductor import codecache
-
-    future_type = getattr(codecache, "StaticAutotunerFuture", None)
-    if future_type is None or getattr(future_type.result, "restores_hash_lock", False):
-        return
-    future_type.result = _with_hash_lock(future_type.result)
+from inductor_ext._compat import Patch
 
 
 def _with_hash_lock(result: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,23 +68,7 @@ def _with_hash_lock(result: Callable[..., Any]) -> Callable[..., Any]:
             fn._hash_lock = threading.RLock()
         return kernel
 
-    wrapped.restores_hash_lock = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def reapply_cpp_wrapper_config_in_lazy_compiles() -> None:
-    """Wrap ``compile_fx._compile_fx_inner`` so that a ``cpp_wrapper`` graph compiled outside
-    ``compile_fx`` (the lazy backward) gets ``get_cpp_wrapper_config()``, where torch lacks the fix."""
-    from torch._inductor import compile_fx
-
-    compile_graph = getattr(compile_fx, "_compile_fx_inner", None)
-    if (
-        compile_graph is None
-        or getattr(compile_graph, "applies_cpp_wrapper_config", False)
-        or compile_fx_inner_applies_cpp_wrapper_config()
-    ):
-        return
-    compile_fx._compile_fx_inner = _with_cpp_wrapper_config(compile_graph)
 
 
 def compile_fx_inner_applies_cpp_wrapper_config() -> bool:
@@ -116,19 +93,7 @@ def _with_cpp_wrapper_config(compile_graph: Callable[..., Any]) -> Callable[...,
         with config.patch(compile_fx.get_cpp_wrapper_config()):
             return compile_graph(*args, **graph_kwargs)
 
-    wrapped.applies_cpp_wrapper_config = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def opaque_mutating_op_outputs_are_not_fusible() -> None:
-    """Wrap the partitioner's ``OpTypes.is_fusible``: false for a ``getitem`` of an ``auto_functionalized``
-    or ``auto_functionalized_v2`` node (an extern kernel's output)."""
-    from torch._functorch import partitioners
-
-    op_types = getattr(partitioners, "OpTypes", None)
-    if op_types is None or getattr(op_types.is_fusible, "excepts_opaque_mutating_ops", False):
-        return
-    op_types.is_fusible = _not_fusible_if_opaque_output(op_types.is_fusible)
 
 
 def _not_fusible_if_opaque_output(is_fusible: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
@@ -143,11 +108,31 @@ def _not_fusible_if_opaque_output(is_fusible: Callable[[Any, Any], bool]) -> Cal
             return False
         return is_fusible(self, node)
 
-    wrapped.excepts_opaque_mutating_ops = True  # type: ignore[attr-defined]
     return wrapped
 
 
-def apply() -> None:
-    restore_hash_locks_of_cached_kernels()
-    reapply_cpp_wrapper_config_in_lazy_compiles()
-    opaque_mutating_op_outputs_are_not_fusible()
+PATCHES = (
+    Patch(
+        "restore_hash_locks_of_cached_kernels",
+        "torch._inductor.codecache:StaticAutotunerFuture.result",
+        _with_hash_lock,
+        tested=((2, 11), (2, 13)),
+        upstream="torch/_inductor/codecache.py: StaticAutotunerFuture.result skips restore_after_unpickle",
+    ),
+    Patch(
+        "reapply_cpp_wrapper_config_in_lazy_compiles",
+        "torch._inductor.compile_fx:_compile_fx_inner",
+        _with_cpp_wrapper_config,
+        tested=((2, 11), (2, 13)),
+        upstream="pytorch/pytorch#178845, fixed by pytorch/pytorch#178847",
+        needed=lambda: not compile_fx_inner_applies_cpp_wrapper_config(),
+    ),
+    Patch(
+        "opaque_mutating_op_outputs_are_not_fusible",
+        "torch._functorch.partitioners:OpTypes.is_fusible",
+        _not_fusible_if_opaque_output,
+        tested=((2, 11), (2, 13)),
+        upstream="torch/_functorch/partitioners.py: OpTypes.is_fusible excepts only Triton kernels' outputs",
+    ),
+)
+"""The fixes, in the order the module docstring describes them."""
