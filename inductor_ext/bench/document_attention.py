@@ -23,11 +23,12 @@ the backward. ``rel_err`` is each output's (and, forward + backward, each gradie
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,12 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask_ref(positions), enable_gqa=True)
 
 
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, settings: FlexSettings
+) -> torch.Tensor:
+    return document_causal_attention(q, k, v, positions, enable_gqa=True, flex_settings=settings)
+
+
 def _causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -104,9 +111,10 @@ def _causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 def _varlen(positions: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """FlashAttention's varlen kernel on the exact documents of ``positions`` (built here, on the host)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention import varlen
     except ImportError:
         return None
+    varlen_attn: Any = varlen.varlen_attn  # its signature differs between torch versions
     import inspect
 
     doc = document_ids(positions).cpu()
@@ -128,13 +136,18 @@ def _varlen(positions: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     return run
 
 
+def _forward_backward(
+    fn: Callable[..., torch.Tensor], leaves: list[torch.Tensor], positions: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(fn(*leaves, positions), leaves, grad)
+
+
 def providers(positions: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
-    result: dict[str, Callable[..., torch.Tensor]] = {"sdpa_masked": torch.compile(_sdpa_masked, fullgraph=True)}
+    result: dict[str, Callable[..., torch.Tensor]] = {
+        "sdpa_masked": cast(Callable[..., torch.Tensor], torch.compile(_sdpa_masked, fullgraph=True))
+    }
     for name, settings in FLEX_VARIANTS.items():
-        result[name] = torch.compile(
-            lambda q, k, v, p, s=settings: document_causal_attention(q, k, v, p, enable_gqa=True, flex_settings=s),
-            fullgraph=True,
-        )
+        result[name] = torch.compile(functools.partial(_flex, settings=settings), fullgraph=True)
     varlen = _varlen(positions)
     if varlen is not None:
         result["varlen"] = varlen
@@ -147,7 +160,7 @@ def run_shape(batch: int, length: int) -> list[Row]:
     q, k, v, positions, grad = (inputs[n] for n in ("q", "k", "v", "positions", "grad"))
     flops = _useful_flops(document_ids(positions))
     exact = [t.float().requires_grad_() for t in (q, k, v)]
-    reference = _sdpa_masked(*exact, positions)
+    reference = _sdpa_masked(exact[0], exact[1], exact[2], positions)
     reference_grads = torch.autograd.grad(reference, exact, grad.float())
     rows = []
     for name, fn in providers(positions).items():
@@ -160,11 +173,9 @@ def run_shape(batch: int, length: int) -> list[Row]:
             continue
         errors = {"fwd": rel_err(out, reference),
                   "fwd_bwd": max(rel_err(g, r) for g, r in zip(grads, reference_grads, strict=True))}  # fmt: skip
-        with torch.no_grad():
-            forward_ms = do_bench_median(lambda fn=fn: fn(q, k, v, positions))[0]
-        both_ms = do_bench_median(
-            lambda fn=fn, leaves=leaves: torch.autograd.grad(fn(*leaves, positions), leaves, grad)
-        )[0]
+        # the forward as training runs it (inputs that need gradients: no inference graph)
+        forward_ms = do_bench_median(functools.partial(fn, *leaves, positions))[0]
+        both_ms = do_bench_median(functools.partial(_forward_backward, fn, leaves, positions, grad))[0]
         for mode, ms, work in (("fwd", forward_ms, flops), ("fwd_bwd", both_ms, 3.5 * flops)):
             rows.append(Row(f"{batch}x{length}", mode, name, ms, work / ms / 1e9, errors[mode]))
             print(f"{batch}x{length} {mode} {name}: {ms:.4f} ms, {work / ms / 1e9:.0f} TF/s, rel_err {errors[mode]:.2e}",

@@ -306,15 +306,48 @@ def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates:
     return MutatingOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainOp:
+    """An op without gradients or route choice (e.g. integer index tables), with the eager bypass."""
+
+    op: OpOverload
+    run_direct: Callable[..., Any]
+    tensor_args: tuple[int, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        if use_eager_bypass([args[i] for i in self.tensor_args]):
+            return self.run_direct(*args)
+        return self.op(*args)
+
+
+def define_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any]) -> PlainOp:
+    """Register ``fastops::{name}``: ``kernels`` on CUDA (and in eager under the interpreter), ``math``
+    elsewhere, following :func:`define_op_family`'s conventions; no autograd formula and no route for
+    the backend to choose (its kernels always run on CUDA)."""
+    op = _define_op(name, math, kernels, routed=False)
+    arguments = op._schema.arguments
+    tensor_args = tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type))
+
+    def run_direct(*args: Any) -> Any:
+        return _run_direct(math, kernels, args)
+
+    return PlainOp(op, run_direct, tensor_args)
+
+
 def _define_op(
-    qualname: str, math: Callable[..., Any], kernels: Callable[..., Any] | None, mutates_args: tuple[str, ...] = ()
+    qualname: str,
+    math: Callable[..., Any],
+    kernels: Callable[..., Any] | None,
+    mutates_args: tuple[str, ...] = (),
+    *,
+    routed: bool = True,
 ) -> OpOverload:
     full_name = f"{NAMESPACE}::{qualname}"
 
     @functools.wraps(math)
     def body(*args: Any) -> Any:
         x = args[0]
-        if kernels is None or _traces_math(full_name, args) or x.device.type != "cuda" or x.numel() == 0:
+        if kernels is None or (routed and _traces_math(full_name, args)) or x.device.type != "cuda" or x.numel() == 0:
             return math(*args)
         return kernels(_TRACEABLE, *args)
 

@@ -23,12 +23,16 @@ and SDPA runs it (the reference math, used by the CPU tests).
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+
+from inductor_ext.ops._launch import Launch
+from inductor_ext.ops._library import define_op
 
 BLOCK_SIZE = 128
 """Queries and keys per block of the block mask (FlexAttention's default sparsity block)."""
@@ -96,7 +100,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Per row of ``blocks`` (``(..., N)`` booleans): the count of set entries (int32), and their column
     indices in ascending order, then zeros (``(..., N)`` int32).
 
-    Without a sort. Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
+    Without a sort (the reference of :data:`document_block_tables`' kernel). Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
     tables) inside the compiled graph, FlexAttention on the H200 (torch 2.11) gave wrong rows for some
     packings with several rows per batch (the last row of a 4 x 512 batch 8% off, a NaN loss at
     Llama-1B 4 x 2048), while ``create_block_mask``'s tables gave the right ones; the fault was not
@@ -114,16 +118,60 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count, torch.where(slot < count[..., None], indices, 0)
 
 
-def document_block_mask(doc: Tensor, mask_mod: Any, block_size: int = BLOCK_SIZE) -> Any:
-    """The FlexAttention ``BlockMask`` of ``document_causal`` over ``doc``, key and query tables alike
-    built by :func:`_ordered` (the query tables, for the backward, from the transposed block masks)."""
+Tables = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+"""``doc`` (``(B, S)``) and FlexAttention's eight block tables: ``kv_num_blocks``, ``kv_indices``,
+``full_kv_num_blocks``, ``full_kv_indices``, ``q_num_blocks``, ``q_indices``, ``full_q_num_blocks``,
+``full_q_indices`` (``(B, 1, N)`` counts and ``(B, 1, N, N)`` indices, ``N`` blocks a row), all int32."""
+
+
+def document_block_tables_ref(position_ids: Tensor, block_size: int) -> Tables:
+    """:data:`Tables` of the packed rows ``position_ids`` in aten ops (the CPU path and the reference):
+    :func:`document_ids`, :func:`document_block_masks`, and each table's set entries by :func:`_ordered`
+    (the query tables, for the backward, from the transposed block masks)."""
+    doc = document_ids(position_ids)
+    partial, full = document_block_masks(doc, block_size)
+    return (
+        doc.to(torch.int32),
+        *_ordered(partial),
+        *_ordered(full),
+        *_ordered(partial.transpose(-1, -2)),
+        *_ordered(full.transpose(-1, -2)),
+    )
+
+
+def _document_block_tables_kernels(launch: Launch, position_ids: Tensor, block_size: int) -> Tables:
+    """:data:`Tables` by :mod:`inductor_ext.kernels.document_blocks` (two launches)."""
+    from inductor_ext.kernels.document_blocks import _document_block_tables_kernel, _document_ids_kernel
+
+    batch, length = position_ids.shape
+    blocks = (length + block_size - 1) // block_size
+    doc = torch.empty(batch, length, dtype=torch.int32, device=position_ids.device)
+    counts = [torch.empty(batch, 1, blocks, dtype=torch.int32, device=doc.device) for _ in range(4)]
+    indices = [torch.empty(batch, 1, blocks, blocks, dtype=torch.int32, device=doc.device) for _ in range(4)]
+    launch(_document_ids_kernel, lambda meta: (batch,), position_ids, doc, length, position_ids.stride(0),
+           position_ids.stride(1), doc.stride(0), CHUNK=min(triton.next_power_of_2(length), 1024))  # fmt: skip
+    tables = [t for pair in zip(counts, indices, strict=True) for t in pair]
+    launch(_document_block_tables_kernel, lambda meta: (batch, blocks), doc, length, blocks, doc.stride(0), *tables,
+           BLOCK_SIZE=block_size, BLOCKS_POW2=triton.next_power_of_2(blocks))  # fmt: skip
+    return (doc, *tables)  # type: ignore[return-value]
+
+
+document_block_tables = define_op(
+    "document_block_tables", math=document_block_tables_ref, kernels=_document_block_tables_kernels
+)
+"""``fastops::document_block_tables(position_ids, block_size)``: :data:`Tables`, by our Triton kernels on
+CUDA. Built by Inductor from the aten math inside a compiled graph instead, the tables came out wrong on the
+H200 (torch 2.11) in some graphs: a forward-only (inference) graph at 4 x 2048 gave an attention 81% off,
+and an AOTInductor package of it hit an illegal memory access, while the same graph with gradients was
+right; an earlier, sort-based spelling gave wrong rows in training graphs with several rows. Computed by
+an opaque kernel, the tables are what FlexAttention reads whatever Inductor does around them."""
+
+
+def document_block_mask(tables: Tables, mask_mod: Any, block_size: int = BLOCK_SIZE) -> Any:
+    """The FlexAttention ``BlockMask`` of ``document_causal`` from :data:`Tables`."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    partial, full = document_block_masks(doc, block_size)
-    kv_num, kv_indices = _ordered(partial)
-    full_kv_num, full_kv_indices = _ordered(full)
-    q_num, q_indices = _ordered(partial.transpose(-1, -2))
-    full_q_num, full_q_indices = _ordered(full.transpose(-1, -2))
+    doc, kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices = tables
     length = doc.shape[1]
     return BlockMask(
         seq_lengths=(length, length),
@@ -192,22 +240,23 @@ def _flex(
     """
     from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attention
 
-    doc = document_ids(position_ids)
+    tables = document_block_tables(position_ids, settings.block_size)
+    doc = tables[0]
     gqa = query.shape[1] != key.shape[1]
 
     def document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return _document_causal_mod(b, h, q, kv, doc)
 
-    block_mask = document_block_mask(doc, document_causal, settings.block_size)
+    block_mask = document_block_mask(tables, document_causal, settings.block_size)
     options = dict(settings.kernel_options)
     if torch.compiler.is_dynamo_compiling():
         out = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                             kernel_options=options)  # type: ignore[arg-type]  # fmt: skip
+                             kernel_options=cast(Any, options))  # fmt: skip
         assert isinstance(out, Tensor)
         return out
     from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 
-    kernel_options: dict[str, Any] = dict(_apply_kernel_options(query, key, value, False, options))  # type: ignore[arg-type]
+    kernel_options: dict[str, Any] = dict(_apply_kernel_options(query, key, value, False, cast(Any, options)))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     mask = (*block_mask.as_tuple()[:-1], _document_causal_mod)
     out, *_ = flex_attention_op(query, key, value, _identity_score, mask, scale, kernel_options, (), (doc,))

@@ -12,6 +12,8 @@ from inductor_ext.ops.document_attention import (
     _document_causal_mod,
     _ordered,
     document_block_mask,
+    document_block_tables,
+    document_block_tables_ref,
     document_causal_attention,
     document_causal_mask_ref,
     document_ids,
@@ -28,13 +30,22 @@ def test_document_ids_are_transformers_packed_sequence_indices():
 
 @pytest.mark.parametrize("length", [1, 127, 128, 300, 513])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_block_mask_matches_create_block_mask(length, block_size):
-    """Key tables (forward) and query tables (backward), counts equal and the same blocks listed."""
+def test_block_tables_match_create_block_mask(length, block_size):
+    """The Triton kernels (under the interpreter) give exactly the aten reference's tables, and those are
+    FlexAttention's ``create_block_mask``'s: key tables (forward) and query tables (backward), counts equal
+    and the same blocks listed."""
     generator = torch.Generator().manual_seed(length)
     for batch, longest in ((2, 2), (2, 40), (4, 400), (3, 300)):
         positions = random_packed_positions(batch, length, generator, longest)
-        doc = document_ids(positions)
-        ours = document_block_mask(doc, _document_causal_mod, block_size)
+        if batch == 3:  # position ids with a non-unit token stride
+            positions = positions.t().contiguous().t()
+        reference = document_block_tables_ref(positions, block_size)
+        kernels = document_block_tables(positions, block_size)
+        for got, want in zip(kernels, reference, strict=True):
+            assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+        assert torch.equal(kernels[0], document_ids(positions).to(torch.int32))
+        ours = document_block_mask(kernels, _document_causal_mod, block_size)
+        doc = kernels[0]
         expected = create_block_mask(
             lambda b, h, q, kv, doc=doc: (q >= kv) & (doc[b, q] == doc[b, kv]), batch, None, length, length,
             device="cpu", BLOCK_SIZE=block_size,
@@ -139,3 +150,9 @@ def test_bad_inputs(change, message):
         positions = positions.float()
     with pytest.raises(ValueError, match=message):
         document_causal_attention(q, k, v, positions, enable_gqa=enable_gqa)
+
+
+def test_block_tables_op_passes_opcheck():
+    positions = random_packed_positions(2, 300, torch.Generator().manual_seed(1), 90)
+    torch.library.opcheck(document_block_tables.op, (positions, 128))
+    torch.library.opcheck(document_block_tables.op, (positions.t().contiguous().t(), 64))
