@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from inductor_ext import _compat
-from inductor_ext.cxx_runtime import promote_cxx_runtime
+from inductor_ext.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
@@ -86,11 +86,13 @@ def export(
 def load(path: str | Path) -> Any:
     """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``).
 
-    The process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`):
-    packages whose wrapper carries a static libstdc++ then load instead of crashing.
+    A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
+    g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
+    only, the process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
-    promote_cxx_runtime()
+    if carries_static_cxx_runtime(path):
+        promote_cxx_runtime()
     return torch._inductor.aoti_load_package(str(path))

@@ -7,6 +7,7 @@ C++, so the package runs without ``inductor_ext`` (and, from C++, without Python
 One export + AOTI compile costs ~15 s on two cores: the static one is shared by the module.
 """
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -171,3 +172,28 @@ def test_promote_cxx_runtime_makes_the_loaded_libstdcxx_global():
     count, _before, after, same = done.stdout.split()
     assert int(count) >= 1  # torch's libraries need libstdc++
     assert after == "True" and same == "True"  # global now, and no second copy was mapped
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="builds small shared libraries with g++")
+def test_load_promotes_the_runtime_only_for_a_wrapper_with_its_own_static_libstdcxx(tmp_path):
+    """``inductor_ext.load``'s check (docs/export.md): a library linked with its own static libstdc++
+    (C++ runtime symbols, ``libstdc++.so.6`` not needed) against one linked with the shared runtime and
+    one in C, each alone in a package."""
+    from inductor_ext.cxx_runtime import carries_static_cxx_runtime
+
+    (tmp_path / "wrapper.cpp").write_text(
+        '#include <locale>\nextern "C" int classic_locale_size() { return (int)std::locale::classic().name().size(); }\n'
+    )
+    (tmp_path / "plain.c").write_text("int twice(int x) { return 2 * x; }\n")
+    builds = {
+        "static": ["g++", "-shared", "-fPIC", "-static-libstdc++", "wrapper.cpp"],
+        "shared": ["g++", "-shared", "-fPIC", "wrapper.cpp"],
+        "plain_c": ["g++", "-x", "c", "-shared", "-fPIC", "plain.c"],
+    }
+    found = []
+    for name, command in builds.items():
+        subprocess.run([*command, "-o", f"{name}.so"], cwd=tmp_path, check=True, capture_output=True)
+        with zipfile.ZipFile(tmp_path / f"{name}.pt2", "w") as package:
+            package.write(tmp_path / f"{name}.so", "model/data/aotinductor/model/wrapper.so")
+        found.append(carries_static_cxx_runtime(tmp_path / f"{name}.pt2"))
+    assert found == [True, False, False]

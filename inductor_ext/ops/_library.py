@@ -251,13 +251,15 @@ class InPlaceTiming:
 
 
 @dataclasses.dataclass(frozen=True)
-class MutatingOp:
-    """An op that writes into some of its inputs; it has no autograd formula (PyTorch refuses
-    them on mutating ops), so callers wire gradients themselves (e.g. an ``autograd.Function``)."""
+class DirectOp:
+    """A registered op without an autograd formula, called directly in plain eager (the dispatcher
+    bypassed) and through the registered op when anything traces. Mutating ops have none because
+    PyTorch refuses them (callers wire gradients themselves, e.g. in an ``autograd.Function``); ops with
+    integer outputs (index tables) need none."""
 
     op: OpOverload
     run_direct: Callable[..., Any]
-    """Direct launches (eager), bumping each mutated tensor's version counter as the dispatcher would."""
+    """Direct launches (eager); for a mutating op, bumping each mutated tensor's version as the dispatcher would."""
     tensor_args: tuple[int, ...]
 
     def __call__(self, *args: Any) -> Any:
@@ -268,7 +270,7 @@ class MutatingOp:
 
 def define_mutating_op(
     name: str, *, family: str, math: Callable[..., Any], kernels: Callable[..., Any], mutates: Sequence[str]
-) -> MutatingOp:
+) -> DirectOp:
     """Register ``fastops::{name}`` writing into the arguments named in ``mutates``; ``family``
     names the op family it belongs to (its per-family options apply to it).
 
@@ -280,7 +282,7 @@ def define_mutating_op(
     return _mutating_op(op, functools.partial(_run_direct, math, kernels), mutates)
 
 
-def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Sequence[str]) -> MutatingOp:
+def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Sequence[str]) -> DirectOp:
     """Register ``fastops::{name}`` as a plain ``custom_op`` running ``fn`` (its annotated signature is
     the schema), writing into the arguments named in ``mutates``.
 
@@ -292,7 +294,7 @@ def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Seq
     return _mutating_op(op, lambda args: fn(*args), mutates)
 
 
-def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> MutatingOp:
+def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> DirectOp:
     """``op`` wrapped for eager calls: ``run(args)`` directly, bumping the mutated tensors' versions."""
     arguments = op._schema.arguments
     mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
@@ -303,24 +305,10 @@ def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates:
             torch.autograd.graph.increment_version(args[i])
         return output
 
-    return MutatingOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
+    return DirectOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
 
 
-@dataclasses.dataclass(frozen=True)
-class PlainOp:
-    """An op without gradients or route choice (e.g. integer index tables), with the eager bypass."""
-
-    op: OpOverload
-    run_direct: Callable[..., Any]
-    tensor_args: tuple[int, ...]
-
-    def __call__(self, *args: Any) -> Any:
-        if use_eager_bypass([args[i] for i in self.tensor_args]):
-            return self.run_direct(*args)
-        return self.op(*args)
-
-
-def define_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any]) -> PlainOp:
+def define_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any]) -> DirectOp:
     """Register ``fastops::{name}``: ``kernels`` on CUDA (and in eager under the interpreter), ``math``
     elsewhere, following :func:`define_op_family`'s conventions; no autograd formula and no route for
     the backend to choose (its kernels always run on CUDA)."""
@@ -331,7 +319,7 @@ def define_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any
     def run_direct(*args: Any) -> Any:
         return _run_direct(math, kernels, args)
 
-    return PlainOp(op, run_direct, tensor_args)
+    return DirectOp(op, run_direct, tensor_args)
 
 
 def _define_op(

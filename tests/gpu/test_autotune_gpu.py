@@ -101,12 +101,9 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     torch.testing.assert_close(y.float(), rms_norm_ref(x, w, 1e-6).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
-    """DirectLaunch's first launch autotunes the first QUICK_FIRST_LAUNCH_CONFIGS configs with
-    AUTOTUNE_BENCH_MS each; later launches time nothing."""
+def _record_benchmark_budgets(monkeypatch) -> list[tuple]:
+    """``(warmup, rep)`` of every ``triton.testing.do_bench`` call from now on (the timing still runs)."""
     import triton.testing
-
-    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
 
     budgets = []
     real = triton.testing.do_bench
@@ -116,6 +113,16 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(triton.testing, "do_bench", recording)
+    return budgets
+
+
+def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
+    """DirectLaunch's first launch autotunes the first QUICK_FIRST_LAUNCH_CONFIGS configs with
+    AUTOTUNE_BENCH_MS each; later launches time nothing."""
+
+    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
+
+    budgets = _record_benchmark_budgets(monkeypatch)
     x = torch.randn(333, 2999, device="cuda", dtype=torch.bfloat16)  # a row length no other test launches
     w = torch.randn(2999, device="cuda", dtype=torch.bfloat16)
     y = inductor_ext.rms_norm(x, w)
@@ -129,7 +136,6 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
 def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
     """Within thorough_benchmarks (the standalone tuner's setting) a first launch times every candidate
     config with Triton's default budget; outside, the first QUICK_FIRST_LAUNCH_CONFIGS with AUTOTUNE_BENCH_MS."""
-    import triton.testing
 
     from inductor_ext.ops._launch import candidate_configs
     from inductor_ext.ops._launch_controls import (
@@ -139,14 +145,7 @@ def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
         thorough_benchmarks,
     )
 
-    budgets = []
-    real = triton.testing.do_bench
-
-    def recording(fn, *args, **kwargs):
-        budgets.append((kwargs.get("warmup"), kwargs.get("rep")))
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(triton.testing, "do_bench", recording)
+    budgets = _record_benchmark_budgets(monkeypatch)
     x = torch.randn(77, 3001, device="cuda", dtype=torch.bfloat16)  # row lengths no other test launches
     with thorough_benchmarks(), record_autotuned_launches() as launches:
         inductor_ext.rms_norm(x)
