@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# H200 calls (no network there: run from the checkout). Results under $OUT.
+# GPU tests and benchmarks on any CUDA machine, from a bare checkout (PYTHONPATH=$PWD: no install,
+# no network). Written for an H200; runs on any GPU that the CUDA build of torch supports.
 #   bash scripts/h200.sh tests [test files]   GPU tests, one pytest per file (default: all of tests/gpu),
 #                                             $PARALLEL at a time (default 4), each under $PER_FILE_TIMEOUT s
-#                                             (default 240; then SIGABRT, so faulthandler prints where it hung), failures summarised
-#   bash scripts/h200.sh bench [ops...]       side-by-side benchmarks (default: every op) + quickstart
-# The device returns at most 8 files from $OUT, so everything is written to $LOGS and
-# bundled into $OUT/results.tgz on exit (keep each phase under the call's 600 s).
+#                                             (default 240; then SIGABRT, so faulthandler prints where it hung),
+#                                             failures summarised on stdout
+#   bash scripts/h200.sh bench [benchmarks...]  benchmarks (default: every op and model-level one; long)
+#                                             + examples/quickstart.py as a smoke test
+# Environment: OUT (default /tmp/out) receives results.tgz; LOGS (default /tmp/h200_logs) holds every log,
+# benchmark JSON/PNG and gpu.txt; INDUCTOR_EXT_CACHE_DIR (default /tmp/h200_cache) is the tuning database's
+# folder, copied into LOGS. On exit LOGS is bundled into one archive, $OUT/results.tgz, to copy off the machine.
 set -uo pipefail
+case ${1:-tests} in
+  tests | bench) ;;
+  *) sed -n '2,12s/^# \{0,1\}//p' "$0"; [ "$1" = -h ] || [ "$1" = --help ]; exit ;;
+esac
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/h200_logs}; mkdir -p "$LOGS"
