@@ -3,7 +3,7 @@
 The model is built on the ``meta`` device (parameters have shapes and dtypes, no
 storage) and called on meta inputs under ``torch.compile`` with a capturing backend:
 Dynamo hands it each graph, the backend applies the ``fastops_inductor`` rewrites
-(:func:`inductor_ext.inductor.patterns.apply_rewrites`) and collects every fastops
+(:func:`inductor_ext.inductor.rewrites.apply_rewrites`) and collects every fastops
 forward op call with its arguments' shapes and dtypes. The captured graphs then run
 on meta tensors, which computes nothing. Calls are deduplicated by (op, signature).
 
@@ -21,7 +21,7 @@ import torch
 
 from inductor_ext.autotune.calls import OpCall, dedup, meta_call, parse_dtype
 from inductor_ext.inductor.choice import fastops_calls
-from inductor_ext.inductor.patterns import apply_rewrites
+from inductor_ext.inductor.rewrites import apply_rewrites
 
 ModelSpec = tuple[torch.nn.Module, Sequence[Any] | Mapping[str, Any]]
 """What an entry function returns: ``(model, example input shapes)``."""

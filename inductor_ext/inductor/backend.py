@@ -4,7 +4,7 @@ Five steps on the graph Dynamo hands over, then Inductor:
 
 0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`), and
    block-sparse document attention where it is proven the packed-document mask (:mod:`.document_mask`);
-1. rewrite common spellings into fastops ops (:mod:`.patterns`);
+1. rewrite common spellings into fastops ops (:mod:`.rewrites`);
 2. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
 3. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
@@ -30,7 +30,7 @@ from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.patterns import apply_rewrites
+from inductor_ext.inductor.rewrites import apply_rewrites
 from inductor_ext.ops._library import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 

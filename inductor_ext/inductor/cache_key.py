@@ -30,8 +30,8 @@ def source_digest() -> str:
     """sha256 of the package version and the source of the modules that shape compiled graphs."""
     digest = hashlib.sha256(__version__.encode())
     for directory in _VERSIONED_DIRS:
-        for path in sorted((_PACKAGE / directory).glob("*.py")):
-            digest.update(path.name.encode())
+        for path in sorted((_PACKAGE / directory).rglob("*.py")):  # subpackages too (inductor/rewrites)
+            digest.update(path.relative_to(_PACKAGE).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 

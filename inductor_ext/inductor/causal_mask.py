@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
-from inductor_ext.inductor.patterns import _is_call, _value
+from inductor_ext.inductor.graph_queries import ancestors, is_call, is_metadata_read, is_random, mutates, value
 
 aten = torch.ops.aten
 
@@ -58,11 +58,6 @@ SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "
 
 MAX_EVALUATED_ELEMENTS = 1 << 28
 """The largest mask (elements) evaluated at compile time; a larger one is left unchanged."""
-
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "get_device", "is_contiguous"})
-_METADATA_FUNCTIONS = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.dim.default})
-_METADATA_ATTRS = frozenset({"shape", "device", "dtype", "ndim", "is_cuda"})
-_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 
 
 @dataclasses.dataclass
@@ -82,27 +77,27 @@ def rewrite_causal_masks(gm: GraphModule, *, assume_no_padding: bool = False) ->
     """Rewrite, in place, each SDPA call of ``gm`` whose mask is provably causal (module docstring)."""
     result = MaskRewrites()
     assumed: dict[Node, None] = {}
-    proofs: dict[tuple[Node, str, str], list[Node] | _NotCausal] = {}
+    proofs: dict[tuple[Node, str, str], list[Node] | NotCausal] = {}
     """One proof per mask and query/key lengths: a model's layers share one mask."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
-        args = _sdpa_arguments(node)
+        args = sdpa_arguments(node)
         if args is None or args["attn_mask"] is None or args["is_causal"] is not False:
             continue
-        key = (args["attn_mask"], str(_value(args["query"]).shape[-2]), str(_value(args["key"]).shape[-2]))
+        key = (args["attn_mask"], str(value(args["query"]).shape[-2]), str(value(args["key"]).shape[-2]))
         if key not in proofs:
             try:
                 proofs[key] = _prove_causal(gm, node, args, assume_no_padding)
-            except _NotCausal as reason:
+            except NotCausal as reason:
                 proofs[key] = reason
         padding = proofs[key]
-        if isinstance(padding, _NotCausal):
+        if isinstance(padding, NotCausal):
             result.kept[node.name] = str(padding)
             continue
         assumed.update(dict.fromkeys(padding))
         args["attn_mask"], args["is_causal"] = None, True
-        ungrouped = _ungroup_repeated_kv(args)
+        ungrouped = ungroup_repeated_kv(args)
         result.rewritten += 1
         result.ungrouped += ungrouped
         node.args, node.kwargs = (
@@ -119,11 +114,13 @@ def rewrite_causal_masks(gm: GraphModule, *, assume_no_padding: bool = False) ->
     return result
 
 
-class _NotCausal(Exception):
+class NotCausal(Exception):
     """The mask could not be proven causal; the message says why."""
 
 
-def _sdpa_arguments(node: Node) -> dict[str, Any] | None:
+def sdpa_arguments(node: Node) -> dict[str, Any] | None:
+    """An SDPA call's arguments by parameter name (``attn_mask`` and ``is_causal`` defaulted); None for
+    arguments it does not take."""
     if len(node.args) > len(SDPA_PARAMS) or any(k not in SDPA_PARAMS for k in node.kwargs):
         return None
     args = dict(zip(SDPA_PARAMS, node.args))
@@ -137,49 +134,24 @@ def _sdpa_arguments(node: Node) -> dict[str, Any] | None:
 
 
 def _prove_causal(gm: GraphModule, sdpa: Node, args: Mapping[str, Any], assume_no_padding: bool) -> list[Node]:
-    """Raise :class:`_NotCausal` unless the mask equals SDPA's causal mask; returns the inputs assumed all ones."""
+    """Raise :class:`NotCausal` unless the mask equals SDPA's causal mask; returns the inputs assumed all ones."""
     mask = args["attn_mask"]
     if not isinstance(mask, Node):
-        raise _NotCausal("the mask is not computed in the graph")
-    nodes = _ancestors(mask)
+        raise NotCausal("the mask is not computed in the graph")
+    nodes = ancestors(mask)
     padding = _check_data_independent(nodes, assume_no_padding)
-    _check_no_side_effects(nodes, sdpa)
-    assignments = _size_assignments(nodes, args)
+    check_no_side_effects(nodes, sdpa)
+    assignments = size_assignments(nodes, args)
     for values in assignments:
-        actual = _evaluate(gm, nodes, mask, values, padding)
+        actual = evaluate(gm, nodes, mask, values, padding)
         length_q, length_k = (
-            _concrete(_value(args["query"]).shape[-2], values),
-            _concrete(_value(args["key"]).shape[-2], values),
+            concrete(value(args["query"]).shape[-2], values),
+            concrete(value(args["key"]).shape[-2], values),
         )
         if not _equals_causal(actual, length_q, length_k):
             sizes = ", ".join(f"{s}={v}" for s, v in values.items()) or "the traced sizes"
-            raise _NotCausal(f"the mask is not the causal mask at {sizes}")
+            raise NotCausal(f"the mask is not the causal mask at {sizes}")
     return padding
-
-
-def _ancestors(output: Node) -> list[Node]:
-    """Every node ``output`` depends on, in graph order, ``output`` last."""
-    seen: dict[Node, None] = {}
-    stack = [output]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen[node] = None
-        stack.extend(node.all_input_nodes)
-    order = {node: i for i, node in enumerate(output.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
-
-
-def _is_metadata_read(node: Node) -> bool:
-    """A node that reads only a tensor's shape, dtype or device (not its values)."""
-    if node.op == "call_method":
-        return node.target in _METADATA_METHODS
-    if node.op == "call_function":
-        if node.target in _METADATA_FUNCTIONS:
-            return True
-        return node.target is getattr and len(node.args) == 2 and node.args[1] in _METADATA_ATTRS
-    return False
 
 
 def _check_data_independent(nodes: list[Node], assume_no_padding: bool) -> list[Node]:
@@ -188,25 +160,24 @@ def _check_data_independent(nodes: list[Node], assume_no_padding: bool) -> list[
     padding: list[Node] = []
     for node in nodes:
         if node.op == "placeholder":
-            value = _value(node)
-            if isinstance(value, torch.Tensor):
-                if assume_no_padding and _is_padding_mask(value):
+            traced = value(node)
+            if isinstance(traced, torch.Tensor):
+                if assume_no_padding and _is_padding_mask(traced):
                     padding.append(node)
                 else:
                     reads_values.add(node)
         elif node.op == "get_attr":
             reads_values.add(node)
         elif node.op in ("call_function", "call_method"):
-            name = str(getattr(node.target, "__name__", node.target)).lower()
-            if any(word in name for word in _RANDOM_WORDS):
-                raise _NotCausal(f"the mask uses a random op ({node.name})")
-            if not _is_metadata_read(node) and any(n in reads_values for n in node.all_input_nodes):
+            if is_random(node):
+                raise NotCausal(f"the mask uses a random op ({node.name})")
+            if not is_metadata_read(node) and any(n in reads_values for n in node.all_input_nodes):
                 reads_values.add(node)
         else:
-            raise _NotCausal(f"the mask's subgraph has a {node.op} node ({node.name})")
+            raise NotCausal(f"the mask's subgraph has a {node.op} node ({node.name})")
     if nodes[-1] in reads_values:
         sources = sorted(n.name for n in reads_values if n.op in ("placeholder", "get_attr"))
-        raise _NotCausal(f"the mask reads the values of {', '.join(sources)}")
+        raise NotCausal(f"the mask reads the values of {', '.join(sources)}")
     return padding
 
 
@@ -217,30 +188,15 @@ def _is_padding_mask(value: torch.Tensor) -> bool:
     )
 
 
-def _check_no_side_effects(nodes: list[Node], sdpa: Node) -> None:
+def check_no_side_effects(nodes: list[Node], sdpa: Node) -> None:
     """Raise if the subgraph's values may be changed in place by a node outside it."""
     inside = set(nodes) | {sdpa}
     for node in nodes:
         for user in node.users:
-            if user not in inside and _mutates(user):
-                raise _NotCausal(f"{user.name} mutates {node.name}")
-        if _mutates(node) and any(u not in inside for u in node.all_input_nodes):
-            raise _NotCausal(f"{node.name} mutates a tensor used outside the mask")
-
-
-def _mutates(node: Node) -> bool:
-    if node.target in (operator.setitem, "__setitem__"):
-        return True
-    if node.op == "call_method":
-        name = str(node.target)
-    elif node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            return bool(schema.is_mutable)
-        name = str(getattr(node.target, "__name__", ""))
-    else:
-        return False
-    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+            if user not in inside and mutates(user):
+                raise NotCausal(f"{user.name} mutates {node.name}")
+        if mutates(node) and any(u not in inside for u in node.all_input_nodes):
+            raise NotCausal(f"{node.name} mutates a tensor used outside the mask")
 
 
 # ------------------------------------------------------- evaluation at the sizes
@@ -256,17 +212,17 @@ def _symbols(value: Any) -> Iterable[torch.SymInt]:
                 yield size
 
 
-def _size_assignments(nodes: list[Node], args: Mapping[str, Any]) -> list[dict[sympy.Symbol, int]]:
+def size_assignments(nodes: list[Node], args: Mapping[str, Any]) -> list[dict[sympy.Symbol, int]]:
     """Values for the size symbols the mask depends on: the traced ones, then two others (dynamic shapes)."""
     hints: dict[sympy.Symbol, int] = {}
-    sources = [_value(n) for n in nodes if n.op == "placeholder" or _is_metadata_read(n)]
-    sources += [_value(args["query"]), _value(args["key"])]
+    sources = [value(n) for n in nodes if n.op == "placeholder" or is_metadata_read(n)]
+    sources += [value(args["query"]), value(args["key"])]
     for symint in (s for v in sources for s in _symbols(v)):
         expr = symint.node.expr
         for symbol in expr.free_symbols:
             hint = _traced_values(symint.node.shape_env).get(symbol)
             if hint is None:
-                raise _NotCausal(f"size {symbol} has no traced value")
+                raise NotCausal(f"size {symbol} has no traced value")
             hints[symbol] = int(hint)
     if not hints:
         return [{}]
@@ -287,13 +243,14 @@ def _flat_args(node: Node) -> list[Any]:
     return flat
 
 
-def _concrete(size: Any, values: Mapping[sympy.Symbol, int]) -> int:
+def concrete(size: Any, values: Mapping[sympy.Symbol, int]) -> int:
+    """A traced size (an int, or a SymInt of the size symbols) at the given symbol values."""
     if isinstance(size, torch.SymInt):
         return int(size.node.expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
     return int(size)
 
 
-def _evaluate(
+def evaluate(
     gm: GraphModule,
     nodes: list[Node],
     mask: Node,
@@ -309,38 +266,38 @@ def _evaluate(
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
             given = samples.get(node) if samples else None
-            inputs.append(given if given is not None else _input_at(_value(node), values, ones=node in padding))
+            inputs.append(given if given is not None else _input_at(value(node), values, ones=node in padding))
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
     elements = 1
-    mask_value = _value(mask)
+    mask_value = value(mask)
     if isinstance(mask_value, torch.Tensor):
         for size in mask_value.shape:
-            elements *= _concrete(size, values)
+            elements *= concrete(size, values)
     if elements > MAX_EVALUATED_ELEMENTS:
-        raise _NotCausal(f"the mask has {elements} elements, too many to evaluate at compile time")
+        raise NotCausal(f"the mask has {elements} elements, too many to evaluate at compile time")
     try:
         with torch.no_grad(), torch._subclasses.fake_tensor.unset_fake_temporarily():
             result = GraphModule(gm, graph)(*inputs)
     except Exception as error:  # any failure to evaluate means "not proven"
-        raise _NotCausal(f"the mask's subgraph failed to evaluate ({type(error).__name__}: {error})") from error
+        raise NotCausal(f"the mask's subgraph failed to evaluate ({type(error).__name__}: {error})") from error
     if not isinstance(result, torch.Tensor):
-        raise _NotCausal("the mask is not a tensor")
+        raise NotCausal("the mask is not a tensor")
     return result
 
 
 def _input_at(value: Any, values: Mapping[sympy.Symbol, int], *, ones: bool) -> Any:
     if isinstance(value, torch.SymInt):
-        return _concrete(value, values)
+        return concrete(value, values)
     if isinstance(value, torch.Tensor):
-        shape = [_concrete(d, values) for d in value.shape]
+        shape = [concrete(d, values) for d in value.shape]
         make = torch.ones if ones else torch.empty
         return make(shape, dtype=value.dtype, device=value.device)
     return value
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+def allowed_positions(mask: torch.Tensor) -> torch.Tensor | None:
     """Where an SDPA mask lets a query attend: a boolean mask itself, a float mask's zeros (None if a
     float mask holds anything but 0 and ``-inf``/the dtype's lowest value, or the dtype is neither)."""
     if mask.dtype == torch.bool:
@@ -354,7 +311,7 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
 def _equals_causal(mask: torch.Tensor, length_q: int, length_k: int) -> bool:
     if mask.dim() < 2 or mask.shape[-2] not in (1, length_q) or mask.shape[-1] not in (1, length_k):
         return False
-    allowed = _allowed(mask)
+    allowed = allowed_positions(mask)
     if allowed is None:
         return False
     causal = torch.ones(length_q, length_k, dtype=torch.bool, device=mask.device).tril()
@@ -388,37 +345,37 @@ _NO_PADDING_MESSAGE = (
 )
 
 
-def _ungroup_repeated_kv(args: dict[str, Any]) -> bool:
+def ungroup_repeated_kv(args: dict[str, Any]) -> bool:
     """Replace ``repeat_kv`` copies of key and value by the grouped tensors, with ``enable_gqa=True``."""
     if args.get("enable_gqa"):
         return False
-    key, value = _repeat_kv_source(args["key"]), _repeat_kv_source(args["value"])
-    if key is None or value is None or key[1] != value[1]:
+    key, val = _repeat_kv_source(args["key"]), _repeat_kv_source(args["value"])
+    if key is None or val is None or key[1] != val[1]:
         return False
-    args["key"], args["value"], args["enable_gqa"] = key[0], value[0], True
+    args["key"], args["value"], args["enable_gqa"] = key[0], val[0], True
     return True
 
 
 def _repeat_kv_source(node: Any) -> tuple[Node, int] | None:
     """``(x, n)`` for ``x[:, :, None].expand(B, H, n, S, D).reshape(B, H*n, S, D)`` (or unsqueeze, or aten)."""
     reshapes = (torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-    if not _is_call(node, reshapes, ("reshape", "view")):
+    if not is_call(node, reshapes, ("reshape", "view")):
         return None
     expand = node.args[0]
-    if _is_call(expand, (aten.clone.default,)):
+    if is_call(expand, (aten.clone.default,)):
         expand = expand.args[0]
-    if not _is_call(expand, (aten.expand.default,), ("expand",)):
+    if not is_call(expand, (aten.expand.default,), ("expand",)):
         return None
     inserted = expand.args[0]
     source: Any = None
     if (
-        _is_call(inserted, (torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",))
+        is_call(inserted, (torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",))
         and tuple(inserted.args[1:]) == (2,)
-        or _is_call(inserted, (operator.getitem,))
+        or is_call(inserted, (operator.getitem,))
         and _is_none_at_2(inserted.args[1])
     ):
         source = inserted.args[0]
-    grouped, repeated, expanded = _value(source), _value(node), _value(expand)
+    grouped, repeated, expanded = value(source), value(node), value(expand)
     if not all(isinstance(v, torch.Tensor) for v in (grouped, repeated, expanded)) or grouped.dim() != 4:
         return None
     batch, heads, length, dim = grouped.shape

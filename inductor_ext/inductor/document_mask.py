@@ -32,20 +32,17 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from inductor_ext.inductor.causal_mask import (
-    _RANDOM_WORDS,
     SDPA_TARGETS,
-    _allowed,
-    _ancestors,
-    _check_no_side_effects,
-    _concrete,
-    _evaluate,
-    _is_metadata_read,
-    _NotCausal,
-    _sdpa_arguments,
-    _size_assignments,
-    _ungroup_repeated_kv,
+    NotCausal,
+    allowed_positions,
+    check_no_side_effects,
+    concrete,
+    evaluate,
+    sdpa_arguments,
+    size_assignments,
+    ungroup_repeated_kv,
 )
-from inductor_ext.inductor.patterns import _value
+from inductor_ext.inductor.graph_queries import ancestors, is_metadata_read, is_random, value
 from inductor_ext.ops.document_attention import document_causal_attention, document_causal_mask_ref
 
 SAMPLES_PER_SIZE = 12
@@ -64,24 +61,24 @@ class DocumentMaskRewrites:
 def rewrite_document_masks(gm: GraphModule) -> DocumentMaskRewrites:
     """Rewrite, in place, each SDPA call of ``gm`` whose mask is provably ``document_causal`` (module docstring)."""
     result = DocumentMaskRewrites()
-    proofs: dict[tuple[Node, str], Node | _NotCausal] = {}
+    proofs: dict[tuple[Node, str], Node | NotCausal] = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
-        args = _sdpa_arguments(node)
+        args = sdpa_arguments(node)
         if args is None or args["attn_mask"] is None or args["is_causal"] is not False:
             continue
-        key = (args["attn_mask"], str(_value(args["query"]).shape[-2]))
+        key = (args["attn_mask"], str(value(args["query"]).shape[-2]))
         if key not in proofs:
             try:
                 proofs[key] = _prove_document_causal(gm, node, args)
-            except _NotCausal as reason:
+            except NotCausal as reason:
                 proofs[key] = reason
         positions = proofs[key]
-        if isinstance(positions, _NotCausal):
+        if isinstance(positions, NotCausal):
             result.kept[node.name] = str(positions)
             continue
-        _ungroup_repeated_kv(args)
+        ungroup_repeated_kv(args)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(
                 document_causal_attention,
@@ -100,30 +97,30 @@ def rewrite_document_masks(gm: GraphModule) -> DocumentMaskRewrites:
 
 
 def _prove_document_causal(gm: GraphModule, sdpa: Node, args: Mapping[str, Any]) -> Node:
-    """Raise :class:`_NotCausal` unless the mask is ``document_causal`` of one input; returns that input."""
+    """Raise :class:`NotCausal` unless the mask is ``document_causal`` of one input; returns that input."""
     mask = args["attn_mask"]
     if not isinstance(mask, Node):
-        raise _NotCausal("the mask is not computed in the graph")
+        raise NotCausal("the mask is not computed in the graph")
     dropout = args.get("dropout_p")
     if isinstance(dropout, Node) or dropout not in (None, 0, 0.0):
-        raise _NotCausal(f"dropout_p is not the constant 0 ({dropout})")
+        raise NotCausal(f"dropout_p is not the constant 0 ({dropout})")
     if isinstance(args.get("scale"), Node):
-        raise _NotCausal("the scale is not a constant")
-    query, key = _value(args["query"]), _value(args["key"])
-    nodes = _ancestors(mask)
+        raise NotCausal("the scale is not a constant")
+    query, key = value(args["query"]), value(args["key"])
+    nodes = ancestors(mask)
     positions = _position_input(nodes)
-    traced = _value(positions)
+    traced = value(positions)
     if str(query.shape[-2]) != str(key.shape[-2]):
-        raise _NotCausal("query and key lengths differ (a KV cache)")
+        raise NotCausal("query and key lengths differ (a KV cache)")
     if traced.dim() != 2 or [str(s) for s in traced.shape] != [str(query.shape[0]), str(query.shape[-2])]:
-        raise _NotCausal(f"{positions.name} is not (batch, query length)")
-    _check_no_side_effects(nodes, sdpa)
-    for values in _size_assignments(nodes, args):
-        batch, length = (_concrete(s, values) for s in traced.shape)
+        raise NotCausal(f"{positions.name} is not (batch, query length)")
+    check_no_side_effects(nodes, sdpa)
+    for values in size_assignments(nodes, args):
+        batch, length = (concrete(s, values) for s in traced.shape)
         for number, sample in enumerate(_sample_positions(batch, length, traced.dtype, traced.device)):
-            actual = _evaluate(gm, nodes, mask, values, [], {positions: sample})
+            actual = evaluate(gm, nodes, mask, values, [], {positions: sample})
             if not _equals_document_causal(actual, sample):
-                raise _NotCausal(
+                raise NotCausal(
                     f"the mask is not document_causal({positions.name}) on sample {number} at {batch}x{length}"
                 )
     return positions
@@ -135,24 +132,23 @@ def _position_input(nodes: list[Node]) -> Node:
     """node -> the graph inputs whose values it depends on."""
     for node in nodes:
         if node.op == "placeholder":
-            sources[node] = {node} if isinstance(_value(node), torch.Tensor) else set()
+            sources[node] = {node} if isinstance(value(node), torch.Tensor) else set()
         elif node.op == "get_attr":
-            raise _NotCausal(f"the mask reads a module attribute ({node.name})")
+            raise NotCausal(f"the mask reads a module attribute ({node.name})")
         elif node.op in ("call_function", "call_method"):
-            name = str(getattr(node.target, "__name__", node.target)).lower()
-            if any(word in name for word in _RANDOM_WORDS):
-                raise _NotCausal(f"the mask uses a random op ({node.name})")
-            reads = set() if _is_metadata_read(node) else set().union(*(sources[n] for n in node.all_input_nodes))
+            if is_random(node):
+                raise NotCausal(f"the mask uses a random op ({node.name})")
+            reads = set() if is_metadata_read(node) else set().union(*(sources[n] for n in node.all_input_nodes))
             sources[node] = reads
         else:
-            raise _NotCausal(f"the mask's subgraph has a {node.op} node ({node.name})")
+            raise NotCausal(f"the mask's subgraph has a {node.op} node ({node.name})")
     read = sorted(sources[nodes[-1]], key=lambda n: n.name)
     if len(read) != 1:
         names = ", ".join(n.name for n in read) or "no input"
-        raise _NotCausal(f"the mask reads the values of {names}, not of one position input")
-    value = _value(read[0])
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise _NotCausal(f"{read[0].name} does not hold integers")
+        raise NotCausal(f"the mask reads the values of {names}, not of one position input")
+    dtype = value(read[0]).dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise NotCausal(f"{read[0].name} does not hold integers")
     return read[0]
 
 
@@ -188,7 +184,7 @@ def _equals_document_causal(mask: torch.Tensor, positions: torch.Tensor) -> bool
     batch, length = positions.shape
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[-2:]) != (length, length):
         return False
-    allowed = _allowed(mask)
+    allowed = allowed_positions(mask)
     if allowed is None:
         return False
     expected = document_causal_mask_ref(positions.to(mask.device))

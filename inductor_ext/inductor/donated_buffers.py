@@ -31,7 +31,7 @@ dead-code elimination: the in-place launch has no users, and fx does not count
 
 import operator
 from collections.abc import Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import triton
@@ -44,26 +44,14 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 from torch.fx import Graph, Node
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel, scale_rows_kernel
-from inductor_ext.kernels.glu import glu_bwd_kernel
+import inductor_ext.ops  # noqa: F401  the op modules declare their kernels' in-place outputs
+from inductor_ext.ops._library import OUTPUTS_OVER_DONATED
 
 aten = torch.ops.aten
 
-
-class InPlaceArguments(NamedTuple):
-    input: str
-    output: str
-    """Argument names: the kernel may write ``output`` over ``input`` (elementwise: each program reads
-    an element of ``input`` before it writes the same element of ``output``)."""
-
-
-IN_PLACE_VARIANTS: dict[Any, tuple[InPlaceArguments, ...]] = {
-    cross_entropy_bwd_kernel.fn: (InPlaceArguments("LOGITS", "DLOGITS"),),
-    glu_bwd_kernel.fn: (InPlaceArguments("GATE", "DGATE"), InPlaceArguments("UP", "DUP")),
-    scale_rows_kernel: (InPlaceArguments("X", "OUT"),),
-}
-"""Triton JIT function -> the argument pairs it may alias. Autotuned kernels are traced through autotuners
-built around their functions (``ops._launch.pruned_autotuner``), so the function identifies the kernel."""
+IN_PLACE_VARIANTS = OUTPUTS_OVER_DONATED
+"""Triton JIT function -> the (input, output) argument pairs it may alias: the registry the op modules
+fill next to their kernels (``ops._library.may_write_over_input``)."""
 
 _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 
@@ -71,6 +59,7 @@ _ALLOCATIONS = (aten.empty.memory_format, aten.empty_strided.default)
 def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -> int:
     """Rewrite the launches described in the module docstring; returns how many outputs now alias inputs."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # AOTAutograd names a backward graph's gradient inputs tangents_<i>; the graph carries no other mark of it
     if not donated_indices or not any(n.name.startswith("tangents") for n in placeholders):
         return 0  # not a backward graph, or nothing donated
     donated = {placeholders[i] for i in donated_indices if i < len(placeholders)}

@@ -29,11 +29,12 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._ops import OpOverload
 from torch.library import triton_op
+from triton.runtime.autotuner import Autotuner
 
 from inductor_ext.ops._launch import DirectLaunch, TraceableLaunch, kernels_run_on
 
@@ -55,6 +56,11 @@ IN_PLACE_TIMING: dict[OpOverload, "InPlaceTiming"] = {}
 IN_PLACE_TIMING_MIN_BYTES = 256 * 2**20
 """Below this the functional op is timed: a copy of the input costs the standalone tuner's peak
 less than Triton's 256 MB L2-flush buffer, which every config's benchmark allocates anyway."""
+
+OUTPUTS_OVER_DONATED: dict[Any, tuple["InPlaceArguments", ...]] = {}
+"""Triton JIT function -> the (input, output) argument pairs a backward kernel may write over a donated
+input, filled by the op modules that launch the kernels (:func:`may_write_over_input`) and read by the
+backend's post-grad pass (``inductor.donated_buffers``)."""
 
 MathRoute = Callable[[str, Sequence[Any]], bool]
 """``(op qualname, args) -> True`` to trace an op's aten math instead of its Triton kernels."""
@@ -248,6 +254,23 @@ class InPlaceTiming:
 
     def run_direct(self, *args: Any) -> None:
         _run_direct(self.math, self.kernels, args)
+
+
+class InPlaceArguments(NamedTuple):
+    """Argument names: the kernel may write ``output`` over ``input`` (elementwise: each program reads
+    an element of ``input`` before it writes the same element of ``output``)."""
+
+    input: str
+    output: str
+
+
+def may_write_over_input(kernel: Any, *pairs: tuple[str, str]) -> None:
+    """Declare that ``kernel`` (a Triton JIT function, or an autotuner around one) may write each pair's
+    ``output`` argument over its ``input`` argument (:data:`OUTPUTS_OVER_DONATED`). Kernels are keyed by
+    their JIT function: autotuned kernels are traced through autotuners built around it
+    (``ops._launch.pruned_autotuner``)."""
+    jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    OUTPUTS_OVER_DONATED[jit] = tuple(InPlaceArguments(*pair) for pair in pairs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,13 @@ from inductor_ext.kernels.cross_entropy import (
 )
 from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import IN_PLACE_TIMING, InPlaceTiming, define_mutating_op, define_op_family
+from inductor_ext.ops._library import (
+    IN_PLACE_TIMING,
+    InPlaceTiming,
+    define_mutating_op,
+    define_op_family,
+    may_write_over_input,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,6 +205,12 @@ def launch_scale_rows(launch: Launch, x: Tensor, out: Tensor, scale: Tensor) -> 
         x, out, scale, x.stride(0), out.stride(0), scale_stride, cols,
         BLOCK_V=SCALE_BLOCK, num_warps=4,
     )  # fmt: skip
+
+
+# The backend's post-grad pass (inductor.donated_buffers) may point these outputs at donated inputs:
+# each program reads an element of the input before it writes the same element of the output.
+may_write_over_input(cross_entropy_bwd_kernel, ("LOGITS", "DLOGITS"))
+may_write_over_input(scale_rows_kernel, ("X", "OUT"))  # fused linear cross-entropy's gradient scaling
 
 
 # --- ops ------------------------------------------------------------------------------------------

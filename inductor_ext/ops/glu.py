@@ -31,7 +31,7 @@ from inductor_ext.kernels.glu import (
 )
 from inductor_ext.ops._launch import DirectLaunch, Launch, kernels_run_on
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
-from inductor_ext.ops._library import OpFamily, backward_may_overwrite_saved, define_op_family
+from inductor_ext.ops._library import OpFamily, backward_may_overwrite_saved, define_op_family, may_write_over_input
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 APPROXIMATIONS = ("none", "tanh")
@@ -110,6 +110,11 @@ def glu_bwd_kernels(launch: Launch, dy: Tensor, gate: Tensor, up: Tensor, activa
     dy, gate, up = unit_last_stride(dy), unit_last_stride(gate), unit_last_stride(up)
     M, I = gate.shape
     return _glu_bwd_into(launch, dy, gate, up, activation, gate.new_empty((M, I)), gate.new_empty((M, I)))
+
+
+# The backend's post-grad pass (inductor.donated_buffers) may point dgate and dup at donated gate and up
+# (each element is read before its gradient is stored over it).
+may_write_over_input(glu_bwd_kernel, ("GATE", "DGATE"), ("UP", "DUP"))
 
 
 def _glu_bwd_into(

@@ -501,7 +501,7 @@ def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
 def test_rewrite_folds_the_weight_into_the_op(make, expect_weight):
     """The weight multiply belongs to the match: a rewrite of the cast alone would leave an
     extra elementwise pass over y (twice the forward's memory traffic)."""
-    from inductor_ext.inductor.patterns import apply_rewrites
+    from inductor_ext.inductor.rewrites import apply_rewrites
     from inductor_ext.ops.rms_norm import rms_norm_family
 
     calls = []
