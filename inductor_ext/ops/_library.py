@@ -274,15 +274,15 @@ def may_write_over_input(kernel: Any, *pairs: tuple[str, str]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DirectOp:
-    """A registered op without an autograd formula, called directly in plain eager (the dispatcher
-    bypassed) and through the registered op when anything traces. Mutating ops have none because
-    PyTorch refuses them (callers wire gradients themselves, e.g. in an ``autograd.Function``); ops with
-    integer outputs (index tables) need none."""
+class MutatingOp:
+    """A registered op that writes into some of its inputs, called directly in plain eager (the
+    dispatcher bypassed) and through the registered op when anything traces. It has no autograd formula
+    (PyTorch refuses them on mutating ops), so callers wire gradients themselves (e.g. an
+    ``autograd.Function``)."""
 
     op: OpOverload
     run_direct: Callable[..., Any]
-    """Direct launches (eager); for a mutating op, bumping each mutated tensor's version as the dispatcher would."""
+    """Direct launches (eager), bumping each mutated tensor's version counter as the dispatcher would."""
     tensor_args: tuple[int, ...]
 
     def __call__(self, *args: Any) -> Any:
@@ -293,7 +293,7 @@ class DirectOp:
 
 def define_mutating_op(
     name: str, *, family: str, math: Callable[..., Any], kernels: Callable[..., Any], mutates: Sequence[str]
-) -> DirectOp:
+) -> MutatingOp:
     """Register ``fastops::{name}`` writing into the arguments named in ``mutates``; ``family``
     names the op family it belongs to (its per-family options apply to it).
 
@@ -305,7 +305,7 @@ def define_mutating_op(
     return _mutating_op(op, functools.partial(_run_direct, math, kernels), mutates)
 
 
-def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Sequence[str]) -> DirectOp:
+def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Sequence[str]) -> MutatingOp:
     """Register ``fastops::{name}`` as a plain ``custom_op`` running ``fn`` (its annotated signature is
     the schema), writing into the arguments named in ``mutates``.
 
@@ -317,7 +317,7 @@ def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Seq
     return _mutating_op(op, lambda args: fn(*args), mutates)
 
 
-def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> DirectOp:
+def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> MutatingOp:
     """``op`` wrapped for eager calls: ``run(args)`` directly, bumping the mutated tensors' versions."""
     arguments = op._schema.arguments
     mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
@@ -328,37 +328,18 @@ def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates:
             torch.autograd.graph.increment_version(args[i])
         return output
 
-    return DirectOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
-
-
-def define_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any]) -> DirectOp:
-    """Register ``fastops::{name}``: ``kernels`` on CUDA (and in eager under the interpreter), ``math``
-    elsewhere, following :func:`define_op_family`'s conventions; no autograd formula and no route for
-    the backend to choose (its kernels always run on CUDA)."""
-    op = _define_op(name, math, kernels, routed=False)
-    arguments = op._schema.arguments
-    tensor_args = tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type))
-
-    def run_direct(*args: Any) -> Any:
-        return _run_direct(math, kernels, args)
-
-    return DirectOp(op, run_direct, tensor_args)
+    return MutatingOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
 
 
 def _define_op(
-    qualname: str,
-    math: Callable[..., Any],
-    kernels: Callable[..., Any] | None,
-    mutates_args: tuple[str, ...] = (),
-    *,
-    routed: bool = True,
+    qualname: str, math: Callable[..., Any], kernels: Callable[..., Any] | None, mutates_args: tuple[str, ...] = ()
 ) -> OpOverload:
     full_name = f"{NAMESPACE}::{qualname}"
 
     @functools.wraps(math)
     def body(*args: Any) -> Any:
         x = args[0]
-        if kernels is None or (routed and _traces_math(full_name, args)) or x.device.type != "cuda" or x.numel() == 0:
+        if kernels is None or _traces_math(full_name, args) or x.device.type != "cuda" or x.numel() == 0:
             return math(*args)
         return kernels(_TRACEABLE, *args)
 

@@ -27,12 +27,8 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-
-from inductor_ext.ops._launch import Launch
-from inductor_ext.ops._library import define_op
 
 BLOCK_SIZE = 128
 """Queries and keys per block of the block mask (FlexAttention's default sparsity block)."""
@@ -100,7 +96,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Per row of ``blocks`` (``(..., N)`` booleans): the count of set entries (int32), and their column
     indices in ascending order, then zeros (``(..., N)`` int32).
 
-    Without a sort (the reference of :data:`document_block_tables`' kernel). Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
+    Without a sort. Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
     tables) inside the compiled graph, FlexAttention on the H200 (torch 2.11) gave wrong rows for some
     packings with several rows per batch (the last row of a 4 x 512 batch 8% off, a NaN loss at
     Llama-1B 4 x 2048), while ``create_block_mask``'s tables gave the right ones; the fault was not
@@ -118,60 +114,16 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return count, torch.where(slot < count[..., None], indices, 0)
 
 
-Tables = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-"""``doc`` (``(B, S)``) and FlexAttention's eight block tables: ``kv_num_blocks``, ``kv_indices``,
-``full_kv_num_blocks``, ``full_kv_indices``, ``q_num_blocks``, ``q_indices``, ``full_q_num_blocks``,
-``full_q_indices`` (``(B, 1, N)`` counts and ``(B, 1, N, N)`` indices, ``N`` blocks a row), all int32."""
-
-
-def document_block_tables_ref(position_ids: Tensor, block_size: int) -> Tables:
-    """:data:`Tables` of the packed rows ``position_ids`` in aten ops (the CPU path and the reference):
-    :func:`document_ids`, :func:`document_block_masks`, and each table's set entries by :func:`_ordered`
-    (the query tables, for the backward, from the transposed block masks)."""
-    doc = document_ids(position_ids)
-    partial, full = document_block_masks(doc, block_size)
-    return (
-        doc.to(torch.int32),
-        *_ordered(partial),
-        *_ordered(full),
-        *_ordered(partial.transpose(-1, -2)),
-        *_ordered(full.transpose(-1, -2)),
-    )
-
-
-def _document_block_tables_kernels(launch: Launch, position_ids: Tensor, block_size: int) -> Tables:
-    """:data:`Tables` by :mod:`inductor_ext.kernels.document_blocks` (two launches)."""
-    from inductor_ext.kernels.document_blocks import _document_block_tables_kernel, _document_ids_kernel
-
-    batch, length = position_ids.shape
-    blocks = (length + block_size - 1) // block_size
-    doc = torch.empty(batch, length, dtype=torch.int32, device=position_ids.device)
-    counts = [torch.empty(batch, 1, blocks, dtype=torch.int32, device=doc.device) for _ in range(4)]
-    indices = [torch.empty(batch, 1, blocks, blocks, dtype=torch.int32, device=doc.device) for _ in range(4)]
-    launch(_document_ids_kernel, lambda meta: (batch,), position_ids, doc, length, position_ids.stride(0),
-           position_ids.stride(1), doc.stride(0), CHUNK=min(triton.next_power_of_2(length), 1024))  # fmt: skip
-    tables = [t for pair in zip(counts, indices, strict=True) for t in pair]
-    launch(_document_block_tables_kernel, lambda meta: (batch, blocks), doc, length, blocks, doc.stride(0), *tables,
-           BLOCK_SIZE=block_size, BLOCKS_POW2=triton.next_power_of_2(blocks))  # fmt: skip
-    return (doc, *tables)  # type: ignore[return-value]
-
-
-document_block_tables = define_op(
-    "document_block_tables", math=document_block_tables_ref, kernels=_document_block_tables_kernels
-)
-"""``fastops::document_block_tables(position_ids, block_size)``: :data:`Tables`, by our Triton kernels on
-CUDA. Built by Inductor from the aten math inside a compiled graph instead, the tables came out wrong on the
-H200 (torch 2.11) in some graphs: a forward-only (inference) graph at 4 x 2048 gave an attention 81% off,
-and an AOTInductor package of it hit an illegal memory access, while the same graph with gradients was
-right; an earlier, sort-based spelling gave wrong rows in training graphs with several rows. Computed by
-an opaque kernel, the tables are what FlexAttention reads whatever Inductor does around them."""
-
-
-def document_block_mask(tables: Tables, mask_mod: Any, block_size: int = BLOCK_SIZE) -> Any:
-    """The FlexAttention ``BlockMask`` of ``document_causal`` from :data:`Tables`."""
+def document_block_mask(doc: Tensor, mask_mod: Any, block_size: int = BLOCK_SIZE) -> Any:
+    """The FlexAttention ``BlockMask`` of ``document_causal`` over ``doc``, key and query tables alike
+    built by :func:`_ordered` (the query tables, for the backward, from the transposed block masks)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    doc, kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices = tables
+    partial, full = document_block_masks(doc, block_size)
+    kv_num, kv_indices = _ordered(partial)
+    full_kv_num, full_kv_indices = _ordered(full)
+    q_num, q_indices = _ordered(partial.transpose(-1, -2))
+    full_q_num, full_q_indices = _ordered(full.transpose(-1, -2))
     length = doc.shape[1]
     return BlockMask(
         seq_lengths=(length, length),
@@ -211,13 +163,13 @@ def document_causal_attention(
     scale=scale, enable_gqa=enable_gqa)`` computed block-sparsely (module docstring).
 
     ``query`` is ``(B, H, S, D)``, ``key``/``value`` ``(B, H_kv, S, D)`` (``H_kv`` divides ``H`` with
-    ``enable_gqa``), ``position_ids`` ``(B, S)`` integers. ``use_flex``: None picks FlexAttention on
-    CUDA and the materialised mask elsewhere; True forces FlexAttention (CPU: forward only).
+    ``enable_gqa``), ``position_ids`` ``(B, S)`` integers. ``use_flex``: None picks FlexAttention where
+    :func:`flex_is_trusted` and the materialised mask elsewhere; True forces FlexAttention (CPU: forward only).
     ``flex_settings``: the block size and FlexAttention kernel options (default :func:`flex_settings_for`).
     """
     _check_inputs(query, key, value, position_ids, enable_gqa)
     if use_flex is None:
-        use_flex = query.device.type == "cuda"
+        use_flex = flex_is_trusted(query, key, value)
     if not use_flex:
         mask = document_causal_mask_ref(position_ids)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
@@ -225,6 +177,20 @@ def document_causal_attention(
     if query.device.type == "cuda" and not (torch.compiler.is_compiling() or is_fake(query)):
         return _compiled_flex(settings)(query, key, value, position_ids, scale)
     return _flex(query, key, value, position_ids, scale, settings)
+
+
+def flex_is_trusted(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether the block-sparse FlexAttention runs: on CUDA, where a gradient is needed (training graphs).
+
+    Forward-only graphs keep SDPA on the materialised mask, correct but not faster. Measured on the H200
+    (torch 2.11, 4 x 2048 rows of the ``bench train --packed`` documents, 32/8 heads of 64): compiled under
+    ``torch.no_grad()`` the FlexAttention on these block tables was 81% off float64 SDPA (90% with contiguous
+    q, k, v), while the same graph with gradients, and ``create_block_mask``'s tables without, were right;
+    the AOTInductor package of a packed HF call hit an illegal memory access. Building the tables with a
+    Triton kernel (equal to these tables on the GPU, eagerly and compiled alone) made the attention wrong
+    with gradients too. The fault is not isolated.
+    """
+    return query.device.type == "cuda" and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
 
 def _flex(
@@ -240,14 +206,13 @@ def _flex(
     """
     from torch.nn.attention.flex_attention import _apply_kernel_options, flex_attention
 
-    tables = document_block_tables(position_ids, settings.block_size)
-    doc = tables[0]
+    doc = document_ids(position_ids)
     gqa = query.shape[1] != key.shape[1]
 
     def document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return _document_causal_mod(b, h, q, kv, doc)
 
-    block_mask = document_block_mask(tables, document_causal, settings.block_size)
+    block_mask = document_block_mask(doc, document_causal, settings.block_size)
     options = dict(settings.kernel_options)
     if torch.compiler.is_dynamo_compiling():
         out = flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
