@@ -18,6 +18,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu)")
+    config.addinivalue_line(
+        "markers",
+        "slow: runs a benchmark or example command line end to end (about 8 of the suite's minutes "
+        "on 2 CPU cores); CI runs them, -m 'not slow' leaves them out of a quick local run",
+    )
     # Triton 3.6's interpreter converts 1-element arrays with int() (numpy deprecates it; numpy<2.4 is
     # pinned until Triton stops): once per interpreted index, tens of thousands per run, none ours.
     config.addinivalue_line(

@@ -23,6 +23,7 @@ def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem
     return json.loads((tmp_path / f"{stem}.json").read_text())["results"], proc.stdout
 
 
+@pytest.mark.slow
 def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
     results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "patched_eager")
     assert list(results) == ["hf_eager", "fastops_inductor", "patched_eager"]
@@ -67,6 +68,7 @@ def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_loss_chunk_size_reaches_the_patched_loss(tmp_path, monkeypatch):
     """``--loss-chunk-size``: the run writes its own file, prints each provider's headline as it finishes,
     and trains as the default chunking does (that the size reaches the loss: tests/models/test_patch.py)."""
@@ -97,6 +99,7 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fine_tuning_example_runs_and_learns():
     """examples/train_llama.py on CPU (eager here, to keep CI short; its default also compiles)."""
     from pathlib import Path
@@ -121,6 +124,7 @@ def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
         assert clocks.mean is None
 
 
+@pytest.mark.slow
 def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_path):
     """``--cpp-wrapper``'s C++-wrapper provider with a database the standalone tuner filled first (on
     CPU the tuner records the calls untuned; on a GPU it times them), and the patched model (its
@@ -134,6 +138,7 @@ def test_cpp_wrapper_providers_tune_from_the_config_and_train_like_eager(tmp_pat
             assert abs(a - b) <= 2e-2 * abs(a)
 
 
+@pytest.mark.slow
 def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     """``--lora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same weights,
     adapters and batches: dropout draws different masks, which moves the loss by far less than bf16's
@@ -146,6 +151,7 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     assert "lora_fused_eager" in stdout
 
 
+@pytest.mark.slow
 def test_nproc_shards_each_provider_with_fsdp2_over_gloo_ranks(tmp_path):
     """``--nproc 2`` on CPU: each provider as 2 gloo ranks under torch.distributed.run, FSDP2 per
     decoder layer, each rank on its own batches; rank 0 reports the ranks' mean loss."""
@@ -260,6 +266,7 @@ def test_packed_and_padded_batches_give_the_model_the_same_loss():
     assert abs(float(crossed - total)) > 1e-4 * abs(float(total))  # at random init: 5e-4 here, 50x the tolerance
 
 
+@pytest.mark.slow
 def test_packed_run_reports_real_tokens_and_losses_next_to_each_reference(tmp_path):
     """``--packed`` on CPU: the packed and padded providers on the same documents (2 x 512 tokens a step,
     several documents per row, 2 padded documents per batch), each loss next to its eager reference's;
