@@ -24,7 +24,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.ops._launch_controls",),
     ("inductor_ext.tuning",),
     ("inductor_ext.kernels",),
-    ("inductor_ext.version", "inductor_ext.tensor_file", "inductor_ext.cxx_runtime", "inductor_ext._compat"),
+    (
+        "inductor_ext.version",
+        "inductor_ext.tensor_file",
+        "inductor_ext.cxx_runtime",
+        "inductor_ext._compat",
+        "inductor_ext.env",
+    ),
 )
 """Top to bottom. A module belongs to the layer of its longest matching prefix."""
 

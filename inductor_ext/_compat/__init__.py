@@ -19,6 +19,7 @@ The patches themselves: :mod:`.torch_fixes` (torch bugs our defaults run into) a
 """
 
 import dataclasses
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -62,6 +63,7 @@ class Patch:
         return (owner, attribute) if hasattr(owner, attribute) else None
 
 
+@functools.cache
 def package_version(package: str) -> Version:
     """``(major, minor)`` of an installed distribution (``torch``, ``transformers``)."""
     major, minor = metadata.version(package).split(".")[:2]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from inductor_ext._compat import Patch
+from inductor_ext.env import env_flag
 
 ANALYSIS_FUNCTIONS = ("identify_accessed_tensors", "identify_mutated_tensors")
 """torch's per-launch analysis, by the name it has in torch 2.13 and in torch 2.11 (same arguments:
@@ -116,7 +117,7 @@ def memo_of(analysis: Callable[..., Any]) -> Callable[..., Any]:
 def patches(env: Mapping[str, str] = os.environ) -> list[Patch]:
     """The memo on whichever of :data:`ANALYSIS_FUNCTIONS` this torch has (callers import it at call time,
     so replacing the module attribute reaches them); none when the environment turns it off."""
-    if env.get("INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", "1").lower() in ("0", "false", "no", "off"):
+    if not env_flag(env, "INDUCTOR_EXT_CACHE_KERNEL_ANALYSIS", True):
         return []
     return [
         Patch(

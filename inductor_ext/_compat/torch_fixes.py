@@ -71,9 +71,10 @@ def _with_hash_lock(result: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+@functools.cache
 def compile_fx_inner_applies_cpp_wrapper_config() -> bool:
     """Whether torch's ``compile_fx_inner`` applies ``get_cpp_wrapper_config()`` itself (the
-    upstream fix, in torch 2.13; not in 2.11)."""
+    upstream fix, in torch 2.13; not in 2.11). Read once: every compile asks."""
     from torch._inductor import compile_fx
 
     try:

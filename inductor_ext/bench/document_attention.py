@@ -77,11 +77,15 @@ class Row:
     vs_sdpa_masked: float = float("nan")
 
 
-def _useful_flops(doc: torch.Tensor) -> float:
-    """Forward FLOPs of the ``document_causal`` pairs of ``doc`` (``(B, S)`` document ids)."""
-    _, counts = torch.unique_consecutive(doc.cpu() + 1_000_000 * torch.arange(doc.shape[0])[:, None],
-                                         return_counts=True)  # fmt: skip
-    pairs = float((counts * (counts + 1) // 2).sum())
+def _document_lengths(positions: torch.Tensor) -> torch.Tensor:
+    """Every document's length, row after row (on the host): the packing of ``positions``."""
+    doc = document_ids(positions).cpu()
+    return torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in doc])
+
+
+def _useful_flops(lengths: torch.Tensor) -> float:
+    """Forward FLOPs of the ``document_causal`` pairs of documents of these lengths."""
+    pairs = float((lengths * (lengths + 1) // 2).sum())
     return 4.0 * HEAD_DIM * HEADS * pairs
 
 
@@ -117,8 +121,7 @@ def _varlen(positions: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     varlen_attn: Any = varlen.varlen_attn  # its signature differs between torch versions
     import inspect
 
-    doc = document_ids(positions).cpu()
-    _, counts = torch.unique_consecutive(doc + 1_000_000 * torch.arange(doc.shape[0])[:, None], return_counts=True)
+    counts = _document_lengths(positions)
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)]).cuda()
     longest = int(counts.max())
     causal: dict[str, Any] = (
@@ -158,7 +161,7 @@ def providers(positions: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]
 def run_shape(batch: int, length: int) -> list[Row]:
     inputs = _inputs(batch, length)
     q, k, v, positions, grad = (inputs[n] for n in ("q", "k", "v", "positions", "grad"))
-    flops = _useful_flops(document_ids(positions))
+    flops = _useful_flops(_document_lengths(positions))
     exact = [t.float().requires_grad_() for t in (q, k, v)]
     reference = _sdpa_masked(exact[0], exact[1], exact[2], positions)
     reference_grads = torch.autograd.grad(reference, exact, grad.float())

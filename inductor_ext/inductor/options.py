@@ -42,6 +42,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from inductor_ext.env import env_flag
+
 ROUTES = ("auto", "kernel", "inductor")
 OPTION_NAMES = ("route", "multi_kernel", "patterns", "causal_mask", "document_mask", "assume_no_padding")
 """Our options, each spelled ``fastops.<name>`` in ``options``."""
@@ -139,15 +141,3 @@ def _split_env_route(text: str) -> list[tuple[str, str]]:
         family, sep, value = item.partition("=")
         pairs.append((family.strip(), value.strip()) if sep else ("default", family))
     return pairs
-
-
-def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """The boolean environment variable ``name`` (0/1/true/false/yes/no/on/off), ``default`` when unset."""
-    value = env.get(name)
-    if value is None:
-        return default
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{name} must be 0/1/true/false, got {value!r}")

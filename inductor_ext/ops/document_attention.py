@@ -44,11 +44,6 @@ class FlexSettings:
     kernel_options: tuple[tuple[str, int | bool], ...] = ()
 
 
-def flex_settings_for(query: Tensor) -> FlexSettings:
-    """The settings for ``query``'s device, dtype and head size: FlexAttention's own defaults."""
-    return FlexSettings()
-
-
 def document_ids(position_ids: Tensor) -> Tensor:
     """``(B, S)`` document index of each token, as transformers' ``find_packed_sequence_indices``
     derives it: a new document starts wherever the position does not grow by exactly one."""
@@ -157,7 +152,7 @@ def document_causal_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     use_flex: bool | None = None,
-    flex_settings: FlexSettings | None = None,
+    flex_settings: FlexSettings = FlexSettings(),
 ) -> Tensor:
     """``scaled_dot_product_attention(query, key, value, attn_mask=document_causal_mask_ref(position_ids),
     scale=scale, enable_gqa=enable_gqa)`` computed block-sparsely (module docstring).
@@ -165,7 +160,7 @@ def document_causal_attention(
     ``query`` is ``(B, H, S, D)``, ``key``/``value`` ``(B, H_kv, S, D)`` (``H_kv`` divides ``H`` with
     ``enable_gqa``), ``position_ids`` ``(B, S)`` integers. ``use_flex``: None picks FlexAttention where
     :func:`flex_is_trusted` and the materialised mask elsewhere; True forces FlexAttention (CPU: forward only).
-    ``flex_settings``: the block size and FlexAttention kernel options (default :func:`flex_settings_for`).
+    ``flex_settings``: the block size and FlexAttention kernel options (default: FlexAttention's own).
     """
     _check_inputs(query, key, value, position_ids, enable_gqa)
     if use_flex is None:
@@ -173,10 +168,9 @@ def document_causal_attention(
     if not use_flex:
         mask = document_causal_mask_ref(position_ids)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    settings = flex_settings_for(query) if flex_settings is None else flex_settings
     if query.device.type == "cuda" and not (torch.compiler.is_compiling() or is_fake(query)):
-        return _compiled_flex(settings)(query, key, value, position_ids, scale)
-    return _flex(query, key, value, position_ids, scale, settings)
+        return _compiled_flex(flex_settings)(query, key, value, position_ids, scale)
+    return _flex(query, key, value, position_ids, scale, flex_settings)
 
 
 def flex_is_trusted(query: Tensor, key: Tensor, value: Tensor) -> bool:
