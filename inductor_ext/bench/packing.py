@@ -28,6 +28,10 @@ IGNORE_INDEX = -100
 """The label that the loss skips (transformers' and the collator's default)."""
 PAD_TOKEN_ID = 0
 """Token id of the padding positions (masked out and ignored by the loss: any id would do)."""
+PAD_TO_MULTIPLE_OF = 8
+"""Padded batches' width is a multiple of this (the collators' ``pad_to_multiple_of``): under
+``torch.compile(dynamic=True)`` Inductor guards on the width's alignment to 8, so unaligned widths
+would compile a second graph."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def documents(packed: Batch) -> list[torch.Tensor]:
 
 def padded_batches(packed: Batch, padded_batch: int) -> list[Batch]:
     """The documents of ``packed``, ``padded_batch`` at a time in order, right-padded to the longest of
-    each group; labels -100 on the padding and on each document's first token. A last group of one
+    each group rounded up to :data:`PAD_TO_MULTIPLE_OF`; labels -100 on the padding and on each document's first token. A last group of one
     document joins the group before it (unless ``padded_batch`` is 1): a batch of one would make ``torch.compile(dynamic=True)``
     specialise the size and recompile."""
     docs = documents(packed)
@@ -112,7 +116,7 @@ def padded_batches(packed: Batch, padded_batch: int) -> list[Batch]:
         groups[-1] += last
     result = []
     for group in groups:
-        width = max(doc.numel() for doc in group)
+        width = -(-max(doc.numel() for doc in group) // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
         input_ids = torch.full((len(group), width), PAD_TOKEN_ID, dtype=packed.input_ids.dtype)
         attention_mask = torch.zeros(len(group), width, dtype=torch.long)
         for row, doc in enumerate(group):

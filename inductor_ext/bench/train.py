@@ -40,8 +40,9 @@ and the first label of each document -100 (as ``DataCollatorWithFlattening`` bui
 ``use_cache=False`` (transformers builds its document mask from ``position_ids`` only when no KV cache
 exists; with the default cache, packed documents attend to each other). ``*_padded`` providers train the
 baseline on the same documents: a step's documents, ``--padded-batch`` (default 8) at a time, right-padded to
-the longest of each group, with an ``attention_mask`` (``torch.compile(dynamic=True)``: the length changes
-from batch to batch). A step of either covers the same ``--batch`` x ``--seq`` document tokens, so
+the longest of each group rounded up to a multiple of 8, with an ``attention_mask`` (``torch.compile(dynamic=True)``:
+the length changes from batch to batch; their warm-up and profiled steps are the timed steps, so every graph
+the timed steps need is compiled before timing and none compiles while profiling). A step of either covers the same ``--batch`` x ``--seq`` document tokens, so
 ``real_tokens_per_s`` (non-pad tokens over the median step time) compares them; ``tokens_per_s`` counts the
 padding positions too, ``pad_fraction`` is their share. Losses compare with ``hf_eager_packed``'s
 (``hf_eager_padded``'s for the padded providers); speeds with ``torch_compile_packed``'s real tokens/s.
@@ -289,13 +290,15 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     losses = step(data[0])
     sync()
     first_step_s = time.perf_counter() - start
-    for unit in data[1 : 1 + args.warmup]:
+    timed = data[1 + args.warmup : 1 + args.warmup + args.steps]
+    # padded batches come in many shapes and dynamic=True compiles one graph per class of them (Inductor
+    # guards on size thresholds): warming up on the timed steps themselves compiles all they need first
+    for unit in timed if provider.endswith("_padded") else data[1 : 1 + args.warmup]:
         losses += step(unit)
     sync()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     step_s = []
-    timed = data[1 + args.warmup : 1 + args.warmup + args.steps]
     with ClockSampler() as clocks:
         for unit in timed:
             start = time.perf_counter()
@@ -303,7 +306,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             sync()
             step_s.append(time.perf_counter() - start)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
-    profiled = data[1 + args.warmup + args.steps :]
+    # the padded providers profile steps they already compiled for (a new step could compile new graphs)
+    profiled = timed[: args.profile_steps] if provider.endswith("_padded") else data[1 + args.warmup + args.steps :]
     if rank == 0:
         kernels = _profile(step, profiled, on_gpu) if args.profile_steps else {}
     else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled

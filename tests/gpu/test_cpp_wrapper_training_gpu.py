@@ -1,8 +1,8 @@
 """cpp_wrapper training on CUDA: a 2-layer HF Llama's forward and backward compile under
 ``fastops_inductor`` with ``options={"cpp_wrapper": True}`` and multi-kernel on, both graphs as C++,
 and the loss and gradients stay within bf16 noise of the Python-wrapper run. On torch 2.11 the
-lazily compiled backward lost the cpp-wrapper config (``CudaKernelParamCache not populated for``
-its first kernel, stock Inductor too): inductor_ext/_compat/torch_fixes.py, tests/inductor/test_cpp_wrapper_backward.py."""
+lazily compiled backward loses the cpp-wrapper config (``CudaKernelParamCache not populated for``
+its first kernel; stock Inductor keeps the bug, our backend's compile patches it): inductor_ext/_compat/torch_fixes.py, tests/inductor/test_cpp_wrapper_backward.py."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from torch._inductor.codecache import CudaKernelParamCache
 from torch._inductor.graph import GraphLowering
 
 import inductor_ext  # noqa: F401
+from inductor_ext._compat import torch_fixes
 from inductor_ext.bench.train import build_model
 from tests.gpu.compile_checks import lm_step
 from tests.tolerances import rel_err
@@ -66,15 +67,13 @@ def test_llama_training_step_under_cpp_wrapper_matches_the_python_wrapper(monkey
     _assert_within_bf16_noise(cpp, cpp_grads, python, python_grads, eager, eager_grads)
 
 
-def test_stock_inductor_training_step_under_cpp_wrapper(monkeypatch):
-    """The fix is process-wide once inductor_ext is imported: stock ``torch.compile`` too."""
+def test_stock_inductor_keeps_the_upstream_cpp_wrapper_backward_bug():
+    """The fix is scoped to our backend (inductor_ext/_compat): stock ``torch.compile`` with
+    ``cpp_wrapper`` still fails as it does without inductor_ext on the torch versions the patch
+    targets. When this test fails, upstream fixed it: retire the patch."""
+    if torch_fixes.compile_fx_inner_applies_cpp_wrapper_config():
+        pytest.skip("this torch has the upstream fix")
     model = build_model("tiny-llama", "cuda", torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 256), device="cuda")
-    eager, eager_grads = lm_step(model, ids)
-    graphs = _cpp_wrapper_graphs(monkeypatch)
-    with config.patch(force_disable_caches=True):
-        cpp, cpp_grads = lm_step(model, ids, options={"cpp_wrapper": True})
-    assert graphs == [False, True]
-    assert abs(cpp.loss - eager.loss).item() <= 2e-2 * abs(eager.loss).item()
-    for mine, truth in zip(cpp_grads, eager_grads):
-        assert rel_err(mine, truth.double()) <= 5e-2
+    with config.patch(force_disable_caches=True), pytest.raises(Exception, match="CudaKernelParamCache not populated"):
+        lm_step(model, ids, options={"cpp_wrapper": True})
