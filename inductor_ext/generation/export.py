@@ -1,0 +1,128 @@
+"""``export_generation``: an HF causal LM's prefill and decode step as one AOTInductor package.
+
+The package holds one graph, :class:`~inductor_ext.generation.step.GenerationStep`, exported with a
+dynamic batch (1..``max_batch_size``) and a dynamic number of new tokens (1..``max_seq_len``): the
+prefill is a call with the prompt's tokens, a decode step a call with one token per sequence. One
+graph rather than two keeps one copy of the weights (AOTInductor embeds them per graph) and lets the
+caller own the KV cache, which both calls update in place; Inductor's multi-kernel picks each
+reduction's variant at run time for the prefill's rows and the decode's. What the runtime needs to
+allocate the cache and stop generating is stored as the package's metadata (read by
+:func:`inductor_ext.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
+"""
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inductor_ext.export import export
+from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+
+METADATA_PREFIX = "inductor_ext.generation."
+"""Prefix of the package metadata entries that describe the generation step: flat strings (integers,
+comma-separated lists of integers, names) that the C++ loop reads as easily as Python."""
+
+
+def encode_metadata(values: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: int | list[int] | str | None}`` as the package's string metadata (None: the empty string)."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, (list, tuple)):
+            return ",".join(str(int(v)) for v in value)
+        return "" if value is None else str(value)
+
+    return {METADATA_PREFIX + name: text(value) for name, value in values.items()}
+
+
+def decode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The generation entries of a package's metadata, without the prefix (empty if there are none)."""
+    return {k.removeprefix(METADATA_PREFIX): v for k, v in metadata.items() if k.startswith(METADATA_PREFIX)}
+
+
+def _generation_setting(model: torch.nn.Module, name: str) -> Any:
+    """``name`` from the model's generation config, else from its config (as ``generate`` reads them)."""
+    for config in (getattr(model, "generation_config", None), model.config):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+    eos = _generation_setting(model, "eos_token_id")
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _pad_token_id(model: torch.nn.Module) -> int | None:
+    """The id written after a sequence's end: the pad token, else the first end token (as ``generate`` does)."""
+    pad = _generation_setting(model, "pad_token_id")
+    eos = _eos_token_ids(model)
+    return int(pad) if pad is not None else eos[0] if eos else None
+
+
+def export_generation(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    options: Mapping[str, Any] | None = None,
+) -> Path:
+    """Export ``model`` (an HF causal LM) for generation to the package ``path`` (``.pt2``); returns its path.
+
+    ``max_seq_len`` bounds prompt plus generated tokens (the cache's length); ``max_batch_size`` the
+    sequences generated together. ``options`` are :func:`inductor_ext.export`'s (the backend's
+    ``fastops.*`` options and Inductor config patches). The model runs in its own dtype and device.
+    """
+    if max_batch_size < 1 or max_seq_len < 2:
+        raise ValueError(
+            f"export_generation: max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"
+        )
+    config = model.config
+    if max_seq_len > getattr(config, "max_position_embeddings", max_seq_len):
+        raise ValueError(
+            f"export_generation: max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    # examples of at least 2 rows and 2 tokens: export specialises dimensions of size 0 or 1
+    batch, tokens = min(2, max_batch_size), 2
+    example = {
+        "input_ids": torch.zeros(batch, tokens, dtype=torch.long, device=device),
+        "position_ids": torch.arange(tokens, device=device).expand(batch, tokens).contiguous(),
+        "cache_position": torch.arange(tokens, device=device),
+        "attention_mask": torch.ones(batch, max_seq_len, dtype=torch.long, device=device),
+        "kv_cache": torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device),
+    }
+    b = torch.export.Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
+    t = torch.export.Dim("tokens", min=1, max=max_seq_len)
+    rows = {0: b} if b is not None else None
+    dynamic_shapes = {
+        "input_ids": {0: b, 1: t} if b is not None else {1: t},
+        "position_ids": {0: b, 1: t} if b is not None else {1: t},
+        "cache_position": {0: t},
+        "attention_mask": rows,
+        "kv_cache": rows,
+    }
+    metadata = {
+        "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len,
+        "kv_cache_shape": list(kv_cache_shape(config, max_batch_size, max_seq_len)),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "vocab_size": int(config.vocab_size),
+        "eos_token_ids": _eos_token_ids(model),
+        "pad_token_id": _pad_token_id(model),
+    }
+    patches = dict(options or {})
+    patches["aot_inductor.metadata"] = {**patches.get("aot_inductor.metadata", {}), **encode_metadata(metadata)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return export(GenerationStep(model), tuple(example.values()), path,
+                          dynamic_shapes=tuple(dynamic_shapes[name] for name in example), options=patches)  # fmt: skip
+    finally:
+        model.train(was_training)

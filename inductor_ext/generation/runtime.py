@@ -1,0 +1,119 @@
+"""``load_generation``: run a package from :func:`~inductor_ext.generation.export_generation` as
+transformers' ``generate`` does, greedy or sampled, with the KV cache owned here.
+
+The loop, per call of :meth:`GenerationPackage.generate`: one prefill call with the prompt (its
+``position_ids`` count only the real tokens of a left-padded row, as ``generate`` computes them), then
+one decode call per new token. A row that emits an end-of-sequence token is finished; its later
+tokens are the pad token; the loop stops when every row is finished or after ``max_new_tokens``.
+Sampling applies temperature, then top-k, then draws from the softmax with ``torch.multinomial``,
+in transformers' order: with the same ``torch.manual_seed`` and the same logits, the same tokens.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from inductor_ext.export import load
+from inductor_ext.generation.export import decode_metadata
+
+
+class GenerationPackage:
+    """A loaded generation package; :meth:`generate` is its entry point."""
+
+    def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
+        self.step = load(path)
+        found = decode_metadata(self.step.get_metadata())
+        if not found:
+            raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
+        self.device = torch.device(device or found["device"])
+        self.max_batch_size = int(found["max_batch_size"])
+        self.max_seq_len = int(found["max_seq_len"])
+        self.pad_token_id = int(found["pad_token_id"]) if found["pad_token_id"] else None
+        eos = [int(e) for e in found["eos_token_ids"].split(",") if e]
+        self.eos_token_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        shape = [int(n) for n in found["kv_cache_shape"].split(",")]
+        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, found["dtype"]), device=self.device)
+        self._slots = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long, device=self.device)
+
+    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError("generate: input_ids must be an int64 tensor of shape (batch, prompt length)")
+        batch, length = input_ids.shape
+        if not 1 <= batch <= self.max_batch_size:
+            raise ValueError(
+                f"generate: batch {batch} is outside the package's 1..{self.max_batch_size} (max_batch_size)"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if length < 1 or length + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"generate: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the package's "
+                f"max_seq_len {self.max_seq_len}"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        attention_mask: Tensor | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = 50,
+        pad_token_id: int | None = None,
+    ) -> Tensor:
+        """The prompt and its continuation, ``(batch, prompt + generated)``, as ``generate`` returns them.
+
+        The sampling defaults are transformers' ``GenerationConfig`` defaults (temperature 1, top-k 50);
+        ``top_k=None`` samples from the whole vocabulary. ``pad_token_id`` (written after a row's end)
+        defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it."""
+        self._check(input_ids, attention_mask, max_new_tokens)
+        if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
+            raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
+        batch, length = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device, torch.long)
+        slots, cache = self._slots[:batch], self.kv_cache[:batch]
+        slots.zero_()
+        slots[:, :length] = mask
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        logits = self.step(input_ids, positions, torch.arange(length, device=self.device), slots, cache)
+        next_position = positions[:, -1:] + 1
+        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        pad = self.pad_token_id if pad_token_id is None else pad_token_id
+        generated = []
+        for index in range(max_new_tokens):
+            token = self._choose(logits, do_sample, temperature, top_k)
+            if pad is not None:
+                token = torch.where(unfinished, token, pad)
+            generated.append(token)
+            unfinished &= ~torch.isin(token, self.eos_token_ids)
+            if index + 1 == max_new_tokens or not bool(unfinished.any()):
+                break
+            slot = length + index
+            slots[:, slot] = 1
+            logits = self.step(token[:, None], next_position, torch.tensor([slot], device=self.device), slots, cache)
+            next_position = next_position + 1
+        return torch.cat([input_ids, torch.stack(generated, dim=1)], dim=1)
+
+    @staticmethod
+    def _choose(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None) -> Tensor:
+        if not do_sample:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+
+def load_generation(path: str | Path, device: torch.device | str | None = None) -> GenerationPackage:
+    """Load a package written by :func:`~inductor_ext.generation.export_generation`."""
+    return GenerationPackage(path, device)
