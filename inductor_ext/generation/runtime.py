@@ -68,12 +68,14 @@ class GenerationPackage:
         temperature: float = 1.0,
         top_k: int | None = 50,
         pad_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
     ) -> Tensor:
         """The prompt and its continuation, ``(batch, prompt + generated)``, as ``generate`` returns them.
 
         The sampling defaults are transformers' ``GenerationConfig`` defaults (temperature 1, top-k 50);
         ``top_k=None`` samples from the whole vocabulary. ``pad_token_id`` (written after a row's end)
-        defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it."""
+        defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it;
+        ``eos_token_id`` replaces the model's end-of-sequence tokens."""
         self._check(input_ids, attention_mask, max_new_tokens)
         if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
             raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
@@ -87,6 +89,9 @@ class GenerationPackage:
         logits = self.step(input_ids, positions, torch.arange(length, device=self.device), slots, cache)
         next_position = positions[:, -1:] + 1
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        eos = self.eos_token_ids
+        if eos_token_id is not None:
+            eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=self.device)
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         generated = []
         for index in range(max_new_tokens):
@@ -94,7 +99,7 @@ class GenerationPackage:
             if pad is not None:
                 token = torch.where(unfinished, token, pad)
             generated.append(token)
-            unfinished &= ~torch.isin(token, self.eos_token_ids)
+            unfinished &= ~torch.isin(token, eos)
             if index + 1 == max_new_tokens or not bool(unfinished.any()):
                 break
             slot = length + index

@@ -1,0 +1,125 @@
+"""``export_generation`` + ``load_generation`` on CPU: the package generates the tokens transformers'
+``generate`` does for the same call (float32 tiny Llama, so greedy and seeded sampling agree token
+for token), for equal-length and left-padded batches, batch sizes 1..max and one-token prompts, and
+stops at end-of-sequence tokens as ``generate`` does. One export (~25 s) is shared by the module."""
+
+import pytest
+import torch
+
+from inductor_ext.bench.train import build_model
+from inductor_ext.generation import export_generation, load_generation
+from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+
+pytest.importorskip("transformers")
+
+MAX_BATCH, MAX_SEQ = 4, 48
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model("tiny-llama", "cpu", torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def package(model, tmp_path_factory):
+    path = export_generation(model, tmp_path_factory.mktemp("gen") / "tiny.pt2", max_batch_size=MAX_BATCH,
+                             max_seq_len=MAX_SEQ)  # fmt: skip
+    return load_generation(path)
+
+
+def _prompt(model, batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (batch, length), generator=generator)
+
+
+def _hf(model, ids, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, pad_token_id=PAD, **kwargs)
+
+
+@pytest.mark.parametrize(("batch", "length"), [(1, 7), (3, 12), (MAX_BATCH, 1)])
+def test_greedy_tokens_equal_hf_generate(model, package, batch, length):
+    ids = _prompt(model, batch, length)
+    ours = package.generate(ids, 10, pad_token_id=PAD)
+    torch.testing.assert_close(ours, _hf(model, ids, 10, do_sample=False), rtol=0, atol=0)
+
+
+def test_left_padded_batch_equals_hf_generate(model, package):
+    ids = _prompt(model, 3, 11, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :1] = 0
+    ours = package.generate(ids, 9, attention_mask=mask, pad_token_id=PAD)
+    torch.testing.assert_close(ours, _hf(model, ids, 9, attention_mask=mask, do_sample=False), rtol=0, atol=0)
+
+
+def test_seeded_sampling_equals_hf_generate(model, package):
+    ids = _prompt(model, 2, 6, seed=3)
+    torch.manual_seed(11)
+    ours = package.generate(ids, 8, do_sample=True, temperature=0.8, top_k=20, pad_token_id=PAD)
+    torch.manual_seed(11)
+    theirs = _hf(model, ids, 8, do_sample=True, temperature=0.8, top_k=20)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_rows_stop_at_end_of_sequence_as_hf(model, package):
+    ids = _prompt(model, 3, 8, seed=4)
+    free = package.generate(ids, 12, pad_token_id=PAD)
+    eos = int(free[0, 8 + 2])  # the third token row 0 generates: it ends there, the others run on or end too
+    ours = package.generate(ids, 12, pad_token_id=PAD, eos_token_id=eos)
+    theirs = _hf(model, ids, 12, do_sample=False, eos_token_id=eos)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert (ours[0, 8 + 3 :] == PAD).all()
+
+
+def test_step_matches_the_model_and_writes_the_cache(model):
+    """The exported module itself, eager: prefill logits are the model's, and the cache holds exactly
+    the prompt's keys and values in its first slots."""
+    ids = _prompt(model, 2, 9, seed=5)
+    cache = torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ))
+    slots = torch.zeros(2, MAX_SEQ, dtype=torch.long)
+    slots[:, :9] = 1
+    with torch.no_grad():
+        logits = GenerationStep(model)(ids, torch.arange(9).expand(2, 9), torch.arange(9), slots, cache)
+        out = model(ids, use_cache=True)
+    torch.testing.assert_close(logits, out.logits[:, -1], rtol=1e-5, atol=1e-5)
+    keys = out.past_key_values.layers[0].keys
+    torch.testing.assert_close(cache[:, 0, 0, :, :9], keys, rtol=1e-6, atol=1e-6)
+    assert not cache[:, :, :, :, 9:].any()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p, ids: p.generate(ids.expand(MAX_BATCH + 1, -1), 2), "batch 5 is outside"),
+        (lambda p, ids: p.generate(ids, MAX_SEQ), "exceeds the package's max_seq_len"),
+        (lambda p, ids: p.generate(ids.int(), 2), "int64 tensor"),
+        (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be >= 1"),
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.ones(1, 3)), "attention_mask must have"),
+        (lambda p, ids: p.generate(ids, 2, do_sample=True, temperature=0.0), "temperature must be > 0"),
+    ],
+)
+def test_bad_generate_arguments_are_refused(model, package, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(package, _prompt(model, 1, 4))
+
+
+def test_bad_export_arguments_are_refused(model, tmp_path):
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        export_generation(model, tmp_path / "x.pt2", max_batch_size=0, max_seq_len=8)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        export_generation(model, tmp_path / "x.pt2", max_batch_size=1,
+                          max_seq_len=model.config.max_position_embeddings + 1)  # fmt: skip
+
+
+def test_export_leaves_the_model_in_training_mode(model, tmp_path):
+    """Exporting sets eval mode for the trace and restores the caller's mode (checked with a failing export)."""
+    model.train()
+    try:
+        with pytest.raises(ValueError):
+            export_generation(model, tmp_path / "not-a-package.txt", max_batch_size=1, max_seq_len=8)
+        assert model.training
+    finally:
+        model.eval()
