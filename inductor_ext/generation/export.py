@@ -88,23 +88,24 @@ def export_generation(
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     # examples of at least 2 rows and 2 tokens: export specialises dimensions of size 0 or 1
-    batch, tokens = min(2, max_batch_size), 2
+    batch, length = min(2, max_batch_size), 2
     example = {
-        "input_ids": torch.zeros(batch, tokens, dtype=torch.long, device=device),
-        "position_ids": torch.arange(tokens, device=device).expand(batch, tokens).contiguous(),
-        "cache_position": torch.arange(tokens, device=device),
+        "input_ids": torch.zeros(batch, length, dtype=torch.long, device=device),
+        "position_ids": torch.arange(length, device=device).expand(batch, length).contiguous(),
+        "cache_position": torch.arange(length, device=device),
         "attention_mask": torch.ones(batch, max_seq_len, dtype=torch.long, device=device),
         "kv_cache": torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device),
     }
-    b = torch.export.Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
-    t = torch.export.Dim("tokens", min=1, max=max_seq_len)
-    rows = {0: b} if b is not None else None
+    # Dim.DYNAMIC hints, not named Dims: on CUDA tracing adds always-true guards on the token count
+    # (min(128*t, 512*t) == 128*t) that torch.export rejects for a named Dim; hints keep them as checks
+    rows = {0: torch.export.Dim.DYNAMIC(min=1, max=max_batch_size)} if max_batch_size > 1 else {}
+    tokens = torch.export.Dim.DYNAMIC(min=1, max=max_seq_len)
     dynamic_shapes = {
-        "input_ids": {0: b, 1: t} if b is not None else {1: t},
-        "position_ids": {0: b, 1: t} if b is not None else {1: t},
-        "cache_position": {0: t},
-        "attention_mask": rows,
-        "kv_cache": rows,
+        "input_ids": {**rows, 1: tokens},
+        "position_ids": {**rows, 1: tokens},
+        "cache_position": {0: tokens},
+        "attention_mask": rows or None,
+        "kv_cache": rows or None,
     }
     metadata = {
         "max_batch_size": max_batch_size,

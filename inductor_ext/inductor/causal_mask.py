@@ -44,7 +44,15 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
-from inductor_ext.inductor.graph_queries import ancestors, is_call, is_metadata_read, is_random, mutates, value
+from inductor_ext.inductor.graph_queries import (
+    ancestors,
+    eliminate_dead_code,
+    is_call,
+    is_metadata_read,
+    is_random,
+    mutates,
+    value,
+)
 
 aten = torch.ops.aten
 
@@ -107,7 +115,7 @@ def rewrite_causal_masks(gm: GraphModule, *, assume_no_padding: bool = False) ->
     for padding_input in assumed:
         _assert_all_ones(gm.graph, padding_input)
     if result.rewritten:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.recompile()
         counters["inductor_ext"]["rewrite_causal_mask"] += result.rewritten
     result.assumed_no_padding = tuple(n.name for n in assumed)

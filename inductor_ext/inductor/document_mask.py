@@ -42,7 +42,7 @@ from inductor_ext.inductor.causal_mask import (
     size_assignments,
     ungroup_repeated_kv,
 )
-from inductor_ext.inductor.graph_queries import ancestors, is_metadata_read, is_random, value
+from inductor_ext.inductor.graph_queries import ancestors, eliminate_dead_code, is_metadata_read, is_random, value
 from inductor_ext.ops.document_attention import document_causal_attention, document_causal_mask_ref
 
 SAMPLES_PER_SIZE = 12
@@ -90,7 +90,7 @@ def rewrite_document_masks(gm: GraphModule) -> DocumentMaskRewrites:
         gm.graph.erase_node(node)
         result.rewritten += 1
     if result.rewritten:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.recompile()
         counters["inductor_ext"]["rewrite_document_mask"] += result.rewritten
     return result

@@ -226,3 +226,10 @@ def mutates(node: Node) -> bool:
     else:
         return False
     return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """Erase the nodes whose results nothing uses, except those that have effects: FX's own impure
+    nodes and every node that :func:`mutates` an input. FX's default treats ``call_method`` nodes as pure,
+    so it would erase ``cache.index_copy_(...)`` (a static KV cache's update, whose result is unused)."""
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or mutates(node))

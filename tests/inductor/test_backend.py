@@ -123,6 +123,33 @@ def test_patterns_option_turns_rewrites_off():
     assert not any(k.startswith("rewrite_") for k in counters["inductor_ext"])
 
 
+class NormThenCacheWrite(torch.nn.Module):
+    """A rewritten RMSNorm beside in-place writes whose results nothing reads (a static KV cache's
+    ``index_copy_``, a step counter's ``add_``): the rewrites' dead-code pass must keep them."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = LlamaRMSNorm(dim)
+
+    def forward(self, x, cache, slots, steps):
+        cache.index_copy_(0, slots, x)
+        steps.add_(1)
+        return self.norm(x)
+
+
+def test_in_place_writes_with_unused_results_survive_the_rewrites():
+    module = NormThenCacheWrite(32)
+    compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True)
+    x, slots = torch.randn(3, 32), torch.tensor([4, 0, 2])
+    cache, steps = torch.zeros(6, 32), torch.zeros((), dtype=torch.long)
+    with torch.no_grad():
+        y = compiled(x, cache, slots, steps)
+    assert counters["inductor_ext"]["rewrite_rms_norm_hf_llama"] == 1
+    torch.testing.assert_close(cache[slots], x, rtol=0, atol=0)
+    assert not cache[[1, 3, 5]].any() and int(steps) == 1
+    assert rel_err(y, module.norm(x)) < OUTPUT[torch.float32]
+
+
 def test_generated_code_has_no_call_back_to_the_op():
     module = LlamaRMSNorm(64)
     compiled = torch.compile(module, backend="fastops_inductor", fullgraph=True)

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
-from inductor_ext.inductor.graph_queries import value, with_value
+from inductor_ext.inductor.graph_queries import eliminate_dead_code, value, with_value
 from inductor_ext.ops._library import OpFamily
 
 Rewrite = Callable[[Node], Node | None]
@@ -49,7 +49,7 @@ def apply_rewrites(gm: GraphModule) -> dict[str, int]:
                 node.replace_all_uses_with(replacement)
                 applied[name] += 1
                 counters["inductor_ext"][f"rewrite_{name}"] += 1
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
     gm.recompile()
     return {name: n for name, n in applied.items() if n}
 

@@ -1,0 +1,88 @@
+"""Generation on a real GPU: a tiny HF Llama's package (``export_generation``) generates transformers'
+tokens in float32 (TF32 off: greedy argmax agrees token for token), its bf16 package's logits are as
+close to float64 as transformers' bf16 eager ones, and static-cache ``generate`` with the decode step
+under ``fastops_inductor`` (CUDA graphs, ``reduce-overhead``; and ``cpp_wrapper``) gives eager's tokens."""
+
+import pytest
+import torch
+
+from inductor_ext.bench.train import build_model
+from inductor_ext.generation import export_generation, load_generation
+from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+from tests.tolerances import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+transformers = pytest.importorskip("transformers")
+
+MAX_BATCH, MAX_SEQ, PAD = 4, 96, 0
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return build_model("tiny-llama", "cuda", dtype).eval()
+
+
+def _prompt(batch, length, seed=1):
+    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+def _hf(model, ids, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+def test_float32_package_generates_hf_tokens(tmp_path):
+    model = _model(torch.float32)
+    package = load_generation(export_generation(model, tmp_path / "g.pt2", max_batch_size=MAX_BATCH,
+                                                max_seq_len=MAX_SEQ))  # fmt: skip
+    for batch, length in ((1, 17), (MAX_BATCH, 40)):
+        ids = _prompt(batch, length)
+        torch.testing.assert_close(package.generate(ids, 24, pad_token_id=PAD), _hf(model, ids, 24), rtol=0, atol=0)
+    ids = _prompt(3, 20, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    ours = package.generate(ids, 16, attention_mask=mask, pad_token_id=PAD)
+    torch.testing.assert_close(ours, _hf(model, ids, 16, attention_mask=mask), rtol=0, atol=0)
+
+
+def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path):
+    model = _model(torch.bfloat16)
+    exact = _model(torch.float64)
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    package = load_generation(export_generation(model, tmp_path / "g.pt2", max_batch_size=MAX_BATCH,
+                                                max_seq_len=MAX_SEQ))  # fmt: skip
+    ids = _prompt(2, 33)
+    inputs = (ids, torch.arange(33, device="cuda").expand(2, 33), torch.arange(33, device="cuda"),
+              torch.ones(2, MAX_SEQ, dtype=torch.long, device="cuda"))  # fmt: skip
+    with torch.no_grad():
+        ours = package.step(*inputs, torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ), device="cuda",
+                                                 dtype=torch.bfloat16))  # fmt: skip
+        truth = GenerationStep(exact)(*inputs, torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ), device="cuda",
+                                                          dtype=torch.float64))  # fmt: skip
+        hf = model(ids).logits[:, -1].float()
+    assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [{}, {"mode": None, "options": {"cpp_wrapper": True}}],
+    ids=["reduce_overhead", "cpp_wrapper"],
+)
+def test_static_cache_decode_under_the_backend_gives_eager_tokens(compile_kwargs):
+    torch._dynamo.reset()
+    model = _model(torch.float32)
+    ids = _prompt(2, 30)
+    eager = _hf(model, ids, 20, cache_implementation="static", disable_compile=True)
+    model.generation_config.compile_config = transformers.CompileConfig(
+        backend="fastops_inductor", fullgraph=True, **compile_kwargs
+    )
+    compiled = _hf(model, ids, 20, cache_implementation="static")
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
