@@ -50,7 +50,7 @@ def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -
     executables = [executable, build_dir / "aoti_generate"]
     build_dir.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(build_dir) + ".lock"):
-        sources = [source_dir / name for name in ("aoti_runner.cpp", "generate.cpp", "CMakeLists.txt")]
+        sources = [source_dir / name for name in ("aoti_runner.cpp", "generate.cpp", "tensor_file.h", "CMakeLists.txt")]
         newest = max(s.stat().st_mtime for s in sources)
         if all(e.exists() and e.stat().st_mtime >= newest for e in executables):
             return executable

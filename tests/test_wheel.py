@@ -25,7 +25,14 @@ def test_wheel_carries_sources_and_declares_the_tested_range(wheel):
         names = set(archive.namelist())
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         requires = [line for line in archive.read(metadata).decode().splitlines() if line.startswith("Requires-Dist")]
-    for path in ("csrc/aoti_runner.cpp", "csrc/CMakeLists.txt", "py.typed", "bench/calls_llama3_8b_decoder.json"):
+    for path in (
+        "csrc/aoti_runner.cpp",
+        "csrc/generate.cpp",
+        "csrc/tensor_file.h",
+        "csrc/CMakeLists.txt",
+        "py.typed",
+        "bench/calls_llama3_8b_decoder.json",
+    ):
         assert f"inductor_ext/{path}" in names, path
     assert "Requires-Dist: torch<2.14,>=2.11" in requires and "Requires-Dist: triton<3.7,>=3.6" in requires
 

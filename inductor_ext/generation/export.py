@@ -79,7 +79,7 @@ def export_generation(
         raise ValueError(
             f"export_generation: max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"
         )
-    config = model.config
+    config: Any = model.config
     if max_seq_len > getattr(config, "max_position_embeddings", max_seq_len):
         raise ValueError(
             f"export_generation: max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "

@@ -33,6 +33,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, keys: Tensor, values: Tensor, slots: Tensor) -> None:
         super().__init__()
         self.keys, self.values, self.slots = keys, values, slots
+        self.cache_keys, self.cache_values = keys, values  # typed: the base class's may be None
         self.max_cache_len = keys.shape[2]
         self.is_initialized = True
 
@@ -40,9 +41,9 @@ class SlotLayer(CacheLayerMixin):
         raise AssertionError("SlotLayer views the caller's cache: nothing to allocate")
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        self.keys.index_copy_(2, self.slots, key_states.to(self.keys.dtype))
-        self.values.index_copy_(2, self.slots, value_states.to(self.values.dtype))
-        return self.keys, self.values
+        self.cache_keys.index_copy_(2, self.slots, key_states.to(self.cache_keys.dtype))
+        self.cache_values.index_copy_(2, self.slots, value_states.to(self.cache_values.dtype))
+        return self.cache_keys, self.cache_values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
