@@ -4,6 +4,8 @@ Importing the package registers the ``torch.ops.fastops.*`` operators and the
 ``fastops_inductor`` torch.compile backend. It does not initialise CUDA.
 """
 
+from typing import Any
+
 from inductor_ext import models, nn
 from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
@@ -39,6 +41,16 @@ from inductor_ext.ops import (
 )
 from inductor_ext.version import __version__
 
+
+def __getattr__(name: str) -> Any:
+    """``export_generation`` and ``load_generation`` (:mod:`inductor_ext.generation`), imported on first use."""
+    if name in ("export_generation", "load_generation"):
+        from inductor_ext import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ExportError",
     "LoraProjection",
@@ -51,6 +63,7 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_ref",
     "export",
+    "export_generation",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_ref",
     "geglu",
@@ -59,6 +72,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_ref",
     "load",
+    "load_generation",
     "lora_linear",
     "lora_linear_ref",
     "lora_mlp",

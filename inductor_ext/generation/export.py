@@ -17,27 +17,8 @@ from typing import Any
 import torch
 
 from inductor_ext.export import export
+from inductor_ext.generation.metadata import encode
 from inductor_ext.generation.step import GenerationStep, kv_cache_shape
-
-METADATA_PREFIX = "inductor_ext.generation."
-"""Prefix of the package metadata entries that describe the generation step: flat strings (integers,
-comma-separated lists of integers, names) that the C++ loop reads as easily as Python."""
-
-
-def encode_metadata(values: Mapping[str, Any]) -> dict[str, str]:
-    """``{name: int | list[int] | str | None}`` as the package's string metadata (None: the empty string)."""
-
-    def text(value: Any) -> str:
-        if isinstance(value, (list, tuple)):
-            return ",".join(str(int(v)) for v in value)
-        return "" if value is None else str(value)
-
-    return {METADATA_PREFIX + name: text(value) for name, value in values.items()}
-
-
-def decode_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
-    """The generation entries of a package's metadata, without the prefix (empty if there are none)."""
-    return {k.removeprefix(METADATA_PREFIX): v for k, v in metadata.items() if k.startswith(METADATA_PREFIX)}
 
 
 def _generation_setting(model: torch.nn.Module, name: str) -> Any:
@@ -118,7 +99,7 @@ def export_generation(
         "pad_token_id": _pad_token_id(model),
     }
     patches = dict(options or {})
-    patches["aot_inductor.metadata"] = {**patches.get("aot_inductor.metadata", {}), **encode_metadata(metadata)}
+    patches["aot_inductor.metadata"] = {**patches.get("aot_inductor.metadata", {}), **encode(metadata)}
     was_training = model.training
     model.eval()
     try:

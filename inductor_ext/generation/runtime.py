@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from inductor_ext.export import load
-from inductor_ext.generation.export import decode_metadata
+from inductor_ext.generation.metadata import decode
 
 
 class GenerationPackage:
@@ -23,7 +23,7 @@ class GenerationPackage:
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
         self.step = load(path)
-        found = decode_metadata(self.step.get_metadata())
+        found = decode(self.step.get_metadata())
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
         self.device = torch.device(device or found["device"])

@@ -1,0 +1,23 @@
+"""The package metadata that describes a generation step: flat strings (integers, comma-separated
+lists of integers, names) under :data:`PREFIX`, which the C++ loop reads as easily as Python."""
+
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "inductor_ext.generation."
+
+
+def encode(values: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: int | list[int] | str | None}`` as the package's string metadata (None: the empty string)."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, (list, tuple)):
+            return ",".join(str(int(v)) for v in value)
+        return "" if value is None else str(value)
+
+    return {PREFIX + name: text(value) for name, value in values.items()}
+
+
+def decode(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The generation entries of a package's metadata, without the prefix (empty if there are none)."""
+    return {k.removeprefix(PREFIX): v for k, v in metadata.items() if k.startswith(PREFIX)}
