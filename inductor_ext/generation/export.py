@@ -79,8 +79,10 @@ def export_generation(
     }
     # Dim.DYNAMIC hints, not named Dims: on CUDA tracing adds always-true guards on the token count
     # (min(128*t, 512*t) == 128*t) that torch.export rejects for a named Dim; hints keep them as checks
-    rows = {0: torch.export.Dim.DYNAMIC(min=1, max=max_batch_size)} if max_batch_size > 1 else {}
-    tokens = torch.export.Dim.DYNAMIC(min=1, max=max_seq_len)
+    # (ranges of at least 1..3: export takes a range 1..2 with an example of 2 for a static size; the
+    # runtimes check the package's own maximum)
+    rows = {0: torch.export.Dim.DYNAMIC(min=1, max=max(max_batch_size, 3))} if max_batch_size > 1 else {}
+    tokens = torch.export.Dim.DYNAMIC(min=1, max=max(max_seq_len, 3))
     dynamic_shapes = {
         "input_ids": {**rows, 1: tokens},
         "position_ids": {**rows, 1: tokens},
