@@ -201,9 +201,9 @@ struct Metadata {
       throw std::runtime_error(path + ": unsupported cache dtype " + dtype);
     }
     m.device = get("device");
-    if (m.kv_cache_shape.size() != 6 || m.kv_cache_shape[0] != m.max_batch_size) {
+    if (m.kv_cache_shape.size() != 6 || m.kv_cache_shape[1] != 2 || m.kv_cache_shape[2] != m.max_batch_size) {
       throw std::runtime_error(path + ": kv_cache_shape " + get("kv_cache_shape") +
-                               " is not (max_batch_size, layers, 2, kv_heads, max_seq_len, head_dim)");
+                               " is not (layers, 2, max_batch_size, kv_heads, max_seq_len, head_dim)");
     }
     return m;
   }
@@ -280,10 +280,13 @@ class Generation {
   Generation(torch::inductor::AOTIModelPackageLoader& loader, const Metadata& m, const Options& o, int64_t batch)
       : loader_(loader), metadata_(m), options_(o), device_(o.device) {
     auto on_device = at::TensorOptions().device(device_);
-    // allocated once for max_batch_size rows; the batch uses their first `batch` rows (contiguous views)
+    // allocated once for max_batch_size rows; the batch uses their first `batch` rows (contiguous views):
+    // the step takes each layer's keys and values, [keys_0, values_0, keys_1, ...] (cache_layout.py)
     kv_cache_ = at::zeros(m.kv_cache_shape, on_device.dtype(m.dtype));
     slot_mask_ = at::zeros({m.max_batch_size, m.max_seq_len}, on_device.dtype(at::kLong));
-    cache_ = kv_cache_.slice(0, 0, batch);
+    for (int64_t layer = 0; layer < m.kv_cache_shape[0]; ++layer) {
+      for (int64_t kind = 0; kind < 2; ++kind) caches_.push_back(kv_cache_[layer][kind].slice(0, 0, batch));
+    }
     slots_ = slot_mask_.slice(0, 0, batch);
     // the decode call's inputs: fixed addresses, updated in place (what a CUDA graph replays)
     token_ = at::zeros({batch, 1}, on_device.dtype(at::kLong));
@@ -299,7 +302,9 @@ class Generation {
     slots_.zero_();
     slots_.slice(1, 0, length).copy_(mask);
     auto positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1);
-    auto logits = run({ids, positions, at::arange(length, ids.options()), slots_, cache_});
+    std::vector<at::Tensor> inputs = {ids, positions, at::arange(length, ids.options()), slots_};
+    inputs.insert(inputs.end(), caches_.begin(), caches_.end());
+    auto logits = run(inputs);
     sync(logits);
     double prefill_end = now_ms();
     auto next_position = positions.slice(1, length - 1, length) + 1;
@@ -349,7 +354,8 @@ class Generation {
     token_.copy_(token.unsqueeze(1));
     position_.copy_(position);
     cache_position_.fill_(slot);
-    std::vector<at::Tensor> inputs = {token_, position_, cache_position_, slots_, cache_};
+    std::vector<at::Tensor> inputs = {token_, position_, cache_position_, slots_};
+    inputs.insert(inputs.end(), caches_.begin(), caches_.end());
     if (!options_.cuda_graph) return run(inputs);
 #ifdef INDUCTOR_EXT_WITH_CUDA
     // Untested here (CPU-only development machine): written to CUDAGraph's documented use.
@@ -390,7 +396,8 @@ class Generation {
   const Metadata& metadata_;
   const Options& options_;
   at::Device device_;
-  at::Tensor kv_cache_, slot_mask_, cache_, slots_, token_, position_, cache_position_, eos_;
+  at::Tensor kv_cache_, slot_mask_, slots_, token_, position_, cache_position_, eos_;
+  std::vector<at::Tensor> caches_;
 #ifdef INDUCTOR_EXT_WITH_CUDA
   bool warmed_up_ = false;
   std::unique_ptr<at::cuda::CUDAGraph> graph_;  // declared before its output: destroyed after it

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from inductor_ext.export import export
+from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import encode
-from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+from inductor_ext.generation.step import GenerationStep
 
 
 def _generation_setting(model: torch.nn.Module, name: str) -> Any:
@@ -75,7 +76,9 @@ def export_generation(
         "position_ids": torch.arange(length, device=device).expand(batch, length).contiguous(),
         "cache_position": torch.arange(length, device=device),
         "attention_mask": torch.ones(batch, max_seq_len, dtype=torch.long, device=device),
-        "kv_cache": torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device),
+        "kv_cache": layer_caches(
+            torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device), batch
+        ),
     }
     # Dim.DYNAMIC hints, not named Dims: on CUDA tracing adds always-true guards on the token count
     # (min(128*t, 512*t) == 128*t) that torch.export rejects for a named Dim; hints keep them as checks
@@ -88,7 +91,7 @@ def export_generation(
         "position_ids": {**rows, 1: tokens},
         "cache_position": {0: tokens},
         "attention_mask": rows or None,
-        "kv_cache": rows or None,
+        "kv_cache": [rows or None] * (2 * config.num_hidden_layers),
     }
     metadata = {
         "max_batch_size": max_batch_size,

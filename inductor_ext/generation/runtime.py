@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from inductor_ext.export import load
+from inductor_ext.generation.cache_layout import layer_caches
 from inductor_ext.generation.metadata import decode
 
 
@@ -82,7 +83,7 @@ class GenerationPackage:
         batch, length = input_ids.shape
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device, torch.long)
-        slots, cache = self._slots[:batch], self.kv_cache[:batch]
+        slots, cache = self._slots[:batch], layer_caches(self.kv_cache, batch)
         slots.zero_()
         slots[:, :length] = mask
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)

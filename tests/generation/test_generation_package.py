@@ -8,7 +8,8 @@ import torch
 
 from inductor_ext.bench.train import build_model
 from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.generation.step import GenerationStep
 
 pytest.importorskip("transformers")
 
@@ -82,12 +83,14 @@ def test_step_matches_the_model_and_writes_the_cache(model):
     slots = torch.zeros(2, MAX_SEQ, dtype=torch.long)
     slots[:, :9] = 1
     with torch.no_grad():
-        logits = GenerationStep(model)(ids, torch.arange(9).expand(2, 9), torch.arange(9), slots, cache)
+        logits = GenerationStep(model)(
+            ids, torch.arange(9).expand(2, 9), torch.arange(9), slots, layer_caches(cache, 2)
+        )
         out = model(ids, use_cache=True)
     torch.testing.assert_close(logits, out.logits[:, -1], rtol=1e-5, atol=1e-5)
     keys = out.past_key_values.layers[0].keys
-    torch.testing.assert_close(cache[:, 0, 0, :, :9], keys, rtol=1e-6, atol=1e-6)
-    assert not cache[:, :, :, :, 9:].any()
+    torch.testing.assert_close(cache[0, 0, :, :, :9], keys, rtol=1e-6, atol=1e-6)
+    assert not cache[..., 9:, :].any()
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ import torch
 
 from inductor_ext.bench.train import build_model
 from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.step import GenerationStep, kv_cache_shape
+from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.generation.step import GenerationStep
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -63,10 +64,9 @@ def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path):
     inputs = (ids, torch.arange(33, device="cuda").expand(2, 33), torch.arange(33, device="cuda"),
               torch.ones(2, MAX_SEQ, dtype=torch.long, device="cuda"))  # fmt: skip
     with torch.no_grad():
-        ours = package.step(*inputs, torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ), device="cuda",
-                                                 dtype=torch.bfloat16))  # fmt: skip
-        truth = GenerationStep(exact)(*inputs, torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ), device="cuda",
-                                                          dtype=torch.float64))  # fmt: skip
+        shape = kv_cache_shape(model.config, 2, MAX_SEQ)
+        ours = package.step(*inputs, layer_caches(torch.zeros(shape, device="cuda", dtype=torch.bfloat16), 2))
+        truth = GenerationStep(exact)(*inputs, layer_caches(torch.zeros(shape, device="cuda", dtype=torch.float64), 2))
         hf = model(ids).logits[:, -1].float()
     assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3
 
