@@ -1,5 +1,5 @@
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``,
-``python -m inductor_ext.bench backend|export|autotune|train [options]`` for the model-level benchmarks, or
+``python -m inductor_ext.bench backend|export|autotune|train|document_attention|generate [options]`` for the model-level benchmarks, or
 ``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile [options]`` for the
 developer tools (compile cost of our kernels, compile-time A/B, compile profile).
 
@@ -32,6 +32,7 @@ MODEL_BENCHES = {
     "autotune": "inductor_ext.bench.autotune",
     "train": "inductor_ext.bench.train",
     "document_attention": "inductor_ext.bench.document_attention",
+    "generate": "inductor_ext.bench.generate",
 }
 """Model-level benchmarks, each with its own ``main(argv)``: ``python -m inductor_ext.bench backend --help``."""
 

@@ -1,0 +1,214 @@
+"""``python -m inductor_ext.bench generate``: prefill latency and decode time per token of an HF causal
+LM, per provider, each in a fresh process, against the decode step's bandwidth floor.
+
+Providers:
+
+- ``hf_eager``: transformers' ``generate`` with ``cache_implementation="static"``, not compiled.
+- ``hf_compile``: the same, with transformers' own compile of the decode step (Inductor, ``reduce-overhead``).
+- ``fastops_inductor``: the same with ``CompileConfig(backend="fastops_inductor")`` (``reduce-overhead``).
+- ``fastops_inductor_cpp_wrapper``: the backend with ``cpp_wrapper`` (``mode=None``), no CUDA graphs.
+- ``package_python``: :func:`inductor_ext.export_generation` + ``load_generation(...).generate``.
+- ``package_cpp``: the same package run by ``aoti_generate`` with a CUDA graph around the decode step
+  (on CPU: without).
+
+Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
+weights are random). Prefill time is one ``generate`` of a single token; decode time per token is
+(``generate`` of ``--new`` + 1 tokens minus that) / ``--new``, medians over ``--repeats`` runs after a
+warm-up; the C++ loop reports its own. The floor of a decode step is the bytes it must read, the
+weights plus the filled part of the KV cache, over the copy bandwidth measured in the same process.
+Writes ``generate_<model>.json`` and a plot to ``--out``.
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inductor_ext.bench.harness import copy_bandwidth_gbps, print_child_result, run_child
+from inductor_ext.bench.train import MODELS, build_model
+
+PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
+             "package_cpp")  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(run: Callable[[], Any], device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _hf_generate(model: Any, provider: str) -> Callable[[torch.Tensor, int], Any]:
+    """transformers' static-cache ``generate`` as ``provider`` runs it."""
+    from transformers import CompileConfig
+
+    compile_all: dict[str, dict[str, Any]] = {"hf_compile": {}, "fastops_inductor": {"backend": "fastops_inductor"},
+                   "fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "mode": None,
+                                                    "options": {"cpp_wrapper": True}}}  # fmt: skip
+    if provider in compile_all:
+        config = CompileConfig(fullgraph=True, **compile_all[provider])
+        config._compile_all_devices = True  # type: ignore[assignment]  # compiles on CPU too (a smoke run)
+        model.generation_config.compile_config = config
+
+    def generate(ids: torch.Tensor, new: int) -> Any:
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, cache_implementation="static",
+                                  disable_compile=provider == "hf_eager")  # fmt: skip
+
+    return generate
+
+
+def run_provider(args: argparse.Namespace) -> dict[str, Any]:
+    """This process's measurements for ``args.worker``: per batch size, prefill and decode ms."""
+    device, provider = args.device, args.worker
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model: Any = build_model(args.model, device, dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: generate exactly the tokens asked for
+    vocab = int(model.config.vocab_size)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    result: dict[str, Any] = {"weight_bytes": weights, "copy_gbps": copy_bandwidth_gbps() if device == "cuda" else None}
+    max_seq = args.prompt + args.new + 1
+    with tempfile.TemporaryDirectory() as folder:
+        if provider.startswith("package_"):
+            from inductor_ext.generation import export_generation, load_generation
+
+            start = time.perf_counter()
+            path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
+                                     max_seq_len=max_seq)  # fmt: skip
+            result["export_s"] = time.perf_counter() - start
+            generate: Callable[[torch.Tensor, int], Any] = load_generation(path).generate
+        else:
+            generate = _hf_generate(model, provider)
+        for batch in args.batches:
+            ids = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+            if provider == "package_cpp":
+                from inductor_ext.cpp_runner import run_generate
+
+                ran = run_generate(path, ids, args.new, device=device, cuda_graph=device == "cuda",
+                                   iters=args.repeats + 1)  # fmt: skip
+                prefill_ms, decode_ms = ran.prefill_ms, ran.decode_ms_per_token
+            else:
+                prompt = ids.to(device)
+                generate(prompt, args.new + 1)  # warm-up (and compiles)
+                prefill_ms = _median_ms(functools.partial(generate, prompt, 1), device, args.repeats)
+                whole = _median_ms(functools.partial(generate, prompt, args.new + 1), device, args.repeats)
+                decode_ms = (whole - prefill_ms) / args.new
+            config: Any = model.config
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            filled = args.prompt + args.new // 2  # the cache's mean filled length over the decode steps
+            kv_bytes = batch * config.num_hidden_layers * 2 * kv_heads * head_dim * filled * model.dtype.itemsize
+            floor_ms = (weights + kv_bytes) / (result["copy_gbps"] * 1e9) * 1e3 if result["copy_gbps"] else None
+            result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
+                                        "floor_ms": floor_ms,
+                                        "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
+    return result
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-1b")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per row")
+    parser.add_argument("--new", type=int, default=64, help="decode steps timed per run")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="batch sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the median is kept)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (the benchmark), or cpu: a smoke run (e.g. --model tiny-llama), timings meaningless")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
+    parser.add_argument("--worker", choices=PROVIDERS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.prompt, args.new, args.repeats, *args.batches) < 1:
+        parser.error("--prompt, --new, --repeats and --batches must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (--device cpu runs it as a smoke test, its timings meaningless)")
+    return args
+
+
+def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
+    flags = ["--model", args.model, "--prompt", args.prompt, "--new", args.new, "--repeats", args.repeats,
+             "--device", args.device, "--worker", provider, "--batches", *args.batches]  # fmt: skip
+    return [sys.executable, "-m", "inductor_ext.bench", "generate", *map(str, flags)]
+
+
+def rows(results: Mapping[str, Mapping[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
+    """One row per provider and batch size, with the decode speed against ``hf_compile``'s."""
+    table = []
+    for provider, result in results.items():
+        for batch in batches:
+            r = result[f"batch_{batch}"]
+            reference = results.get("hf_compile", {}).get(f"batch_{batch}")
+            table.append({
+                "provider": provider, "batch": batch, "prefill ms": round(r["prefill_ms"], 2),
+                "decode ms/token": round(r["decode_ms_per_token"], 3),
+                "tokens/s": round(batch * 1e3 / r["decode_ms_per_token"]),
+                "x hf_compile": round(reference["decode_ms_per_token"] / r["decode_ms_per_token"], 3) if reference else None,
+                "of floor": round(r["of_floor"], 3) if r["of_floor"] else None,
+            })  # fmt: skip
+    return table
+
+
+def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in table})
+    providers = list(dict.fromkeys(r["provider"] for r in table))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(batches), 4))
+    width = 0.8 / len(providers)
+    for i, provider in enumerate(providers):
+        values = [next(r["tokens/s"] for r in table if r["provider"] == provider and r["batch"] == b) for b in batches]
+        ax.bar([j + i * width for j in range(len(batches))], values, width, label=provider)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    from tabulate import tabulate
+
+    args = parse(argv)
+    if args.worker:
+        print_child_result(run_provider(args))
+        return 0
+    results = {}
+    for provider in args.providers:
+        print(f"{provider} ...", flush=True)
+        results[provider] = run_child(_worker_command(args, provider), {})
+    table = rows(results, args.batches)
+    print(tabulate(table, headers="keys"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"generate_{args.model}_prompt{args.prompt}"
+    meta = {"model": args.model, "prompt": args.prompt, "new": args.new, "batches": args.batches,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}  # fmt: skip
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results, "summary": table}, indent=1))
+    if args.device == "cuda":  # the CPU smoke run has no timings worth a plot (nor, maybe, matplotlib)
+        plot(table, args.out / f"{stem}.png", f"{args.model}: decode after a {args.prompt}-token prompt")
+    return 0
