@@ -30,6 +30,7 @@ class GenerationPackage:
         self.device = torch.device(device or found["device"])
         self.max_batch_size = int(found["max_batch_size"])
         self.max_seq_len = int(found["max_seq_len"])
+        self.vocab_size = int(found["vocab_size"])
         self.pad_token_id = int(found["pad_token_id"]) if found["pad_token_id"] else None
         eos = [int(e) for e in found["eos_token_ids"].split(",") if e]
         self.eos_token_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
@@ -52,11 +53,16 @@ class GenerationPackage:
                 f"generate: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the package's "
                 f"max_seq_len {self.max_seq_len}"
             )
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
+        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.vocab_size):
+            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            if not bool((attention_mask != 0).any(dim=1).all()):
+                raise ValueError("generate: every row of attention_mask needs a real token (a 1)")
 
     @torch.no_grad()
     def generate(

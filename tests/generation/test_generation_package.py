@@ -102,6 +102,8 @@ def test_step_matches_the_model_and_writes_the_cache(model):
         (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be >= 1"),
         (lambda p, ids: p.generate(ids, 2, attention_mask=torch.ones(1, 3)), "attention_mask must have"),
         (lambda p, ids: p.generate(ids, 2, do_sample=True, temperature=0.0), "temperature must be > 0"),
+        (lambda p, ids: p.generate(ids + 1000, 2), "must lie in \\[0, 256\\)"),
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.zeros_like(ids)), "needs a real token"),
     ],
 )
 def test_bad_generate_arguments_are_refused(model, package, call, message):
