@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from inductor_ext.bench.train import build_model
+from inductor_ext.cpp_runner import run_generate
 from inductor_ext.generation import export_generation, load_generation
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.step import GenerationStep
@@ -40,10 +41,17 @@ def _hf(model, ids, new, **kwargs):
         return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
-def test_float32_package_generates_hf_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def float32_package(tmp_path_factory):
+    torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(torch.float32)
-    package = load_generation(export_generation(model, tmp_path / "g.pt2", max_batch_size=MAX_BATCH,
-                                                max_seq_len=MAX_SEQ))  # fmt: skip
+    return model, export_generation(model, tmp_path_factory.mktemp("gen") / "g.pt2", max_batch_size=MAX_BATCH,
+                                    max_seq_len=MAX_SEQ)  # fmt: skip
+
+
+def test_float32_package_generates_hf_tokens(float32_package):
+    model, path = float32_package
+    package = load_generation(path)
     for batch, length in ((1, 17), (MAX_BATCH, 40)):
         ids = _prompt(batch, length)
         torch.testing.assert_close(package.generate(ids, 24, pad_token_id=PAD), _hf(model, ids, 24), rtol=0, atol=0)
@@ -52,6 +60,18 @@ def test_float32_package_generates_hf_tokens(tmp_path):
     mask[0, :7] = 0
     ours = package.generate(ids, 16, attention_mask=mask, pad_token_id=PAD)
     torch.testing.assert_close(ours, _hf(model, ids, 16, attention_mask=mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["launches", "cuda_graph"])
+def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph):
+    _, path = float32_package
+    ids = _prompt(3, 20, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    want = load_generation(path).generate(ids, 24, attention_mask=mask).cpu()
+    got = run_generate(path, ids.cpu(), 24, attention_mask=mask.cpu(), device="cuda", cuda_graph=cuda_graph, iters=2)
+    torch.testing.assert_close(got.tokens, want, rtol=0, atol=0)
+    assert got.decode_ms_per_token > 0
 
 
 def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path):
