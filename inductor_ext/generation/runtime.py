@@ -37,6 +37,7 @@ class GenerationPackage:
         shape = [int(n) for n in found["kv_cache_shape"].split(",")]
         self.kv_cache = torch.zeros(shape, dtype=getattr(torch, found["dtype"]), device=self.device)
         self._slots = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long, device=self.device)
+        self._cache_positions = torch.arange(self.max_seq_len, device=self.device)  # sliced per call: no copies
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -93,7 +94,7 @@ class GenerationPackage:
         slots.zero_()
         slots[:, :length] = mask
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = self.step(input_ids, positions, torch.arange(length, device=self.device), slots, cache)
+        logits = self.step(input_ids, positions, self._cache_positions[:length], slots, cache)
         next_position = positions[:, -1:] + 1
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         eos = self.eos_token_ids
@@ -106,12 +107,15 @@ class GenerationPackage:
             if pad is not None:
                 token = torch.where(unfinished, token, pad)
             generated.append(token)
-            unfinished &= ~torch.isin(token, eos)
-            if index + 1 == max_new_tokens or not bool(unfinished.any()):
+            if index + 1 == max_new_tokens:
                 break
+            if eos.numel():  # a host sync per token, only where a row can end early
+                unfinished &= ~torch.isin(token, eos)
+                if not bool(unfinished.any()):
+                    break
             slot = length + index
             slots[:, slot] = 1
-            logits = self.step(token[:, None], next_position, torch.tensor([slot], device=self.device), slots, cache)
+            logits = self.step(token[:, None], next_position, self._cache_positions[slot : slot + 1], slots, cache)
             next_position = next_position + 1
         return torch.cat([input_ids, torch.stack(generated, dim=1)], dim=1)
 
