@@ -8,6 +8,7 @@ torch (once per torch version, cached) and exchange tensors with them through
 """
 
 import dataclasses
+import hashlib
 import re
 import shutil
 import subprocess
@@ -42,10 +43,13 @@ class GenerateResult:
 
 
 def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path:
-    """Path of the ``aoti_runner`` executable, building it and ``aoti_generate`` with CMake if needed (~30 s)."""
+    """Path of the ``aoti_runner`` executable, building it and ``aoti_generate`` with CMake if needed (~30 s).
+
+    The default ``build_dir`` is per torch version and per ``source_dir`` under the cache directory.
+    """
     if not (source_dir / "CMakeLists.txt").is_file():
         raise FileNotFoundError(f"build_runner: no CMakeLists.txt in {source_dir}; the package ships its sources there")
-    build_dir = build_dir or cache_dir() / f"aoti_runner-torch{torch.__version__}"
+    build_dir = build_dir or default_build_dir(source_dir)
     executable = build_dir / "aoti_runner"
     executables = [executable, build_dir / "aoti_generate"]
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +67,12 @@ def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -
                     f"build_runner: {' '.join(command[:2])} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
                 )
     return executable
+
+
+def default_build_dir(source_dir: Path = SOURCE_DIR) -> Path:
+    """The cached build directory for ``source_dir`` and this torch: CMake binds a build directory to one source."""
+    source_key = hashlib.sha1(str(source_dir.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / f"aoti_runner-torch{torch.__version__}-{source_key}"
 
 
 def build_generator(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path:

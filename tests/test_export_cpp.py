@@ -6,11 +6,13 @@ both must match eager. The runner is built once per session with CMake (~20 s), 
 packages once per module (~15 s each).
 """
 
+import shutil
+
 import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.cpp_runner import build_runner, run_package
+from inductor_ext.cpp_runner import SOURCE_DIR, build_runner, default_build_dir, run_package
 from tests.test_export import HIDDEN, LlamaStyleBlock
 from tests.tolerances import OUTPUT, rel_err
 
@@ -96,3 +98,12 @@ class DataDependent(torch.nn.Module):
 def test_bad_export_inputs_are_named(tmp_path, call, error, message):
     with pytest.raises(error, match=message):
         call(tmp_path / "m.pt2")
+
+
+def test_cached_builds_of_two_checkouts_do_not_share_a_cmake_directory(tmp_path):
+    """CMake refuses a build directory configured from another source tree (a second clone, a CI checkout)."""
+    other = tmp_path / "checkout" / "csrc"
+    shutil.copytree(SOURCE_DIR, other)
+    assert default_build_dir(other) != default_build_dir(SOURCE_DIR)
+    assert default_build_dir(SOURCE_DIR) == default_build_dir(SOURCE_DIR / ".." / "csrc")
+    assert torch.__version__ in default_build_dir(other).name
