@@ -45,8 +45,10 @@ elementwise pass) instead of being kept (``N I`` more). PEFT's unfused eager mod
 Schemas (``<p>`` for one projection's arguments, spelled with a prefix ``q_``, ``k_``, ``v_``,
 ``gate_``, ``up_``, ``down_``; masks are ``Tensor?``)::
 
-    forward  <p> = Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, float scaling, Tensor? dropout_mask
-    backward <p> = Tensor weight, Tensor lora_a, Tensor lora_b, Tensor xa, float scaling, Tensor? dropout_mask
+    forward  <p> = Tensor weight, Tensor[] weight_quant, Tensor? bias, Tensor lora_a, Tensor lora_b,
+                   float scaling, Tensor? dropout_mask
+    backward <p> = Tensor weight, Tensor[] weight_quant, Tensor lora_a, Tensor lora_b, Tensor xa,
+                   float scaling, Tensor? dropout_mask
 
     fastops::lora_linear_fwd(Tensor x, <p>, float dropout_p) -> (Tensor y, Tensor xa)
     fastops::lora_linear_bwd(Tensor dy, Tensor x, <p>, float dropout_p, bool compute_dx)
@@ -59,7 +61,13 @@ Schemas (``<p>`` for one projection's arguments, spelled with a prefix ``q_``, `
     fastops::lora_mlp_bwd(Tensor dy, Tensor x, Tensor gate_out, Tensor up_out, <gate>, <up>, <down>,
         str activation, float dropout_p, bool compute_dx) -> (dx, dgate_lora_a, dgate_lora_b, ...)
 
-All tensors are 2-D (the public functions flatten leading dims) and of one dtype. ``dx`` is a
+``weight_quant`` is empty for a dense ``weight``; for a 4-bit (QLoRA) base, ``weight`` holds its packed
+codes and ``weight_quant`` its code tables and scales (:mod:`inductor_ext.ops.nf4`). Each GEMM that
+reads ``W`` (``x Wᵀ`` forward, ``dy W`` backward) dequantises it into a transient ``(out, in)`` tensor
+first, one projection at a time, freed after its GEMM (what bitsandbytes' own matmul does); the
+backward recomputes it rather than keeping a dequantised copy per layer.
+
+All tensors are 2-D (the public functions flatten leading dims) and of one dtype (the codes uint8). ``dx`` is a
 ``(0,)`` tensor when ``compute_dx`` is false (an input that needs no gradient: the first
 layer's). The GEMMs are aten's (cuBLAS on the GPU) on every path; the MLP's activation is our
 GLU kernel on the GPU and aten math on the CPU branch and the backend's Inductor route.
@@ -70,6 +78,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch._ops import OpOverload
 
 from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import rows_2d
@@ -82,6 +91,7 @@ from inductor_ext.ops.glu import (
     glu_fwd_math,
     swiglu_ref,
 )
+from inductor_ext.ops.nf4 import Nf4Weight, check_nf4_weight, dequantize, nf4_dequantize
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -95,6 +105,7 @@ class _Fwd(NamedTuple):
     """One projection's forward op arguments."""
 
     weight: Tensor
+    weight_quant: list[Tensor]
     bias: Tensor | None
     lora_a: Tensor
     lora_b: Tensor
@@ -106,11 +117,20 @@ class _Bwd(NamedTuple):
     """One projection's backward op arguments."""
 
     weight: Tensor
+    weight_quant: list[Tensor]
     lora_a: Tensor
     lora_b: Tensor
     xa: Tensor
     scaling: float
     dropout_mask: Tensor | None
+
+
+_FWD_ARGS, _BWD_ARGS = len(_Fwd._fields), len(_Bwd._fields)
+
+
+def _fwd_groups(inputs: Sequence[Any], first: int, count: int) -> list[_Fwd]:
+    """``count`` projections' forward arguments, from position ``first`` of a forward op's inputs."""
+    return [_Fwd(*inputs[first + _FWD_ARGS * i : first + _FWD_ARGS * (i + 1)]) for i in range(count)]
 
 
 def _dropped(x: Tensor, mask: Tensor | None, p: float) -> Tensor:
@@ -120,7 +140,8 @@ def _dropped(x: Tensor, mask: Tensor | None, p: float) -> Tensor:
 
 def _project(x: Tensor, proj: _Fwd, p: float) -> tuple[Tensor, Tensor]:
     """``(y, xa)``: ``y = x Wᵀ + c + s · xa Bᵀ`` with the low-rank term added into ``y`` in place."""
-    weight, bias, lora_a, lora_b, scaling, mask = proj
+    weight, quant, bias, lora_a, lora_b, scaling, mask = proj
+    weight = dequantize(weight, quant, x.dtype)
     y = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
     xa = _dropped(x, mask, p) @ lora_a.t()
     y.addmm_(xa, lora_b.t(), alpha=scaling)
@@ -131,11 +152,12 @@ def _project_bwd(
     dy: Tensor, x: Tensor, proj: _Bwd, p: float, dx: Tensor | None, compute_dx: bool
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(dx, dA, dB)`` of one projection; its ``dx`` terms added into ``dx`` in place when given."""
-    weight, lora_a, lora_b, xa, scaling, mask = proj
+    weight, quant, lora_a, lora_b, xa, scaling, mask = proj
     g = dy @ lora_b
     dlora_b = (dy.t() @ xa).mul_(scaling)
     dlora_a = (g.t() @ _dropped(x, mask, p)).mul_(scaling)
     if compute_dx:
+        weight = dequantize(weight, quant, dy.dtype)  # a 4-bit base again: never saved dequantised
         dx = dy @ weight if dx is None else dx.addmm_(dy, weight)
         if mask is None:
             dx.addmm_(g, lora_a, alpha=scaling)
@@ -157,6 +179,7 @@ def _dx_or_empty(dx: Tensor | None, x: Tensor) -> Tensor:
 def lora_linear_fwd_math(
     x: Tensor,
     weight: Tensor,
+    weight_quant: list[Tensor],
     bias: Tensor | None,
     lora_a: Tensor,
     lora_b: Tensor,
@@ -165,13 +188,14 @@ def lora_linear_fwd_math(
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     """Forward (every path: the GEMMs are aten's; the family has no kernels): ``(y, xa)``."""
-    return _project(x, _Fwd(weight, bias, lora_a, lora_b, scaling, dropout_mask), dropout_p)
+    return _project(x, _Fwd(weight, weight_quant, bias, lora_a, lora_b, scaling, dropout_mask), dropout_p)
 
 
 def lora_linear_bwd_math(
     dy: Tensor,
     x: Tensor,
     weight: Tensor,
+    weight_quant: list[Tensor],
     lora_a: Tensor,
     lora_b: Tensor,
     xa: Tensor,
@@ -181,24 +205,24 @@ def lora_linear_bwd_math(
     compute_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dx, dA, dB)``; ``dx`` is ``(0,)`` unless ``compute_dx``."""
-    proj = _Bwd(weight, lora_a, lora_b, xa, scaling, dropout_mask)
+    proj = _Bwd(weight, weight_quant, lora_a, lora_b, xa, scaling, dropout_mask)
     dx, dlora_a, dlora_b = _project_bwd(dy, x, proj, dropout_p, None, compute_dx)
     return _dx_or_empty(dx, x), dlora_a, dlora_b
 
 
 def _linear_setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor]) -> None:
-    x, weight, _bias, lora_a, lora_b, ctx.scaling, mask, ctx.dropout_p = inputs
-    ctx.save_for_backward(x, weight, lora_a, lora_b, output[1], mask)
+    ctx.dropout_p = inputs[-1]
+    _save_projections(ctx, _fwd_groups(inputs, 1, 1), output[1:], inputs[0])
     ctx.mark_non_differentiable(output[1])
 
 
 def _linear_backward(ctx: Any, bwd: Any, dy: Tensor | None, _dxa: Tensor | None) -> tuple[Tensor | None, ...]:
     if dy is None:
-        return (None,) * 8
-    x, weight, lora_a, lora_b, xa, mask = ctx.saved_tensors
+        return (None,) * (2 + _FWD_ARGS)
+    (x,), projection = _saved_projections(ctx, 1)
     compute_dx = ctx.needs_input_grad[0]
-    dx, dlora_a, dlora_b = bwd(dy, x, weight, lora_a, lora_b, xa, ctx.scaling, mask, ctx.dropout_p, compute_dx)
-    return dx if compute_dx else None, None, None, dlora_a, dlora_b, None, None, None
+    dx, dlora_a, dlora_b = bwd(dy, x, *projection, ctx.dropout_p, compute_dx)
+    return dx if compute_dx else None, *_adapter_grads(ctx, bwd, (dlora_a, dlora_b)), None
 
 
 lora_linear_family = define_op_family(
@@ -221,18 +245,21 @@ AdapterGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 def lora_qkv_fwd_math(
     x: Tensor,
     q_weight: Tensor,
+    q_weight_quant: list[Tensor],
     q_bias: Tensor | None,
     q_lora_a: Tensor,
     q_lora_b: Tensor,
     q_scaling: float,
     q_dropout_mask: Tensor | None,
     k_weight: Tensor,
+    k_weight_quant: list[Tensor],
     k_bias: Tensor | None,
     k_lora_a: Tensor,
     k_lora_b: Tensor,
     k_scaling: float,
     k_dropout_mask: Tensor | None,
     v_weight: Tensor,
+    v_weight_quant: list[Tensor],
     v_bias: Tensor | None,
     v_lora_a: Tensor,
     v_lora_b: Tensor,
@@ -242,9 +269,9 @@ def lora_qkv_fwd_math(
 ) -> QkvOutputs:
     """Forward (every path): ``(q, k, v, q_xa, k_xa, v_xa)``."""
     projections = (
-        _Fwd(q_weight, q_bias, q_lora_a, q_lora_b, q_scaling, q_dropout_mask),
-        _Fwd(k_weight, k_bias, k_lora_a, k_lora_b, k_scaling, k_dropout_mask),
-        _Fwd(v_weight, v_bias, v_lora_a, v_lora_b, v_scaling, v_dropout_mask),
+        _Fwd(q_weight, q_weight_quant, q_bias, q_lora_a, q_lora_b, q_scaling, q_dropout_mask),
+        _Fwd(k_weight, k_weight_quant, k_bias, k_lora_a, k_lora_b, k_scaling, k_dropout_mask),
+        _Fwd(v_weight, v_weight_quant, v_bias, v_lora_a, v_lora_b, v_scaling, v_dropout_mask),
     )
     (q, q_xa), (k, k_xa), (v, v_xa) = (_project(x, proj, dropout_p) for proj in projections)
     return q, k, v, q_xa, k_xa, v_xa
@@ -256,18 +283,21 @@ def lora_qkv_bwd_math(
     dv: Tensor,
     x: Tensor,
     q_weight: Tensor,
+    q_weight_quant: list[Tensor],
     q_lora_a: Tensor,
     q_lora_b: Tensor,
     q_xa: Tensor,
     q_scaling: float,
     q_dropout_mask: Tensor | None,
     k_weight: Tensor,
+    k_weight_quant: list[Tensor],
     k_lora_a: Tensor,
     k_lora_b: Tensor,
     k_xa: Tensor,
     k_scaling: float,
     k_dropout_mask: Tensor | None,
     v_weight: Tensor,
+    v_weight_quant: list[Tensor],
     v_lora_a: Tensor,
     v_lora_b: Tensor,
     v_xa: Tensor,
@@ -278,9 +308,9 @@ def lora_qkv_bwd_math(
 ) -> AdapterGrads:
     """Backward: ``(dx, dA_q, dB_q, dA_k, dB_k, dA_v, dB_v)``, the six ``dx`` terms summed into one buffer."""
     projections = (
-        (dq, _Bwd(q_weight, q_lora_a, q_lora_b, q_xa, q_scaling, q_dropout_mask)),
-        (dk, _Bwd(k_weight, k_lora_a, k_lora_b, k_xa, k_scaling, k_dropout_mask)),
-        (dv, _Bwd(v_weight, v_lora_a, v_lora_b, v_xa, v_scaling, v_dropout_mask)),
+        (dq, _Bwd(q_weight, q_weight_quant, q_lora_a, q_lora_b, q_xa, q_scaling, q_dropout_mask)),
+        (dk, _Bwd(k_weight, k_weight_quant, k_lora_a, k_lora_b, k_xa, k_scaling, k_dropout_mask)),
+        (dv, _Bwd(v_weight, v_weight_quant, v_lora_a, v_lora_b, v_xa, v_scaling, v_dropout_mask)),
     )
     dx: Tensor | None = None
     grads: list[Tensor] = []
@@ -291,44 +321,56 @@ def lora_qkv_bwd_math(
     return _dx_or_empty(dx, x), dqa, dqb, dka, dkb, dva, dvb
 
 
-def _fwd_groups(inputs: Sequence[Any], first: int) -> list[_Fwd]:
-    """The three projections' forward arguments, from position ``first`` of a forward op's inputs."""
-    return [_Fwd(*inputs[first + 6 * i : first + 6 * (i + 1)]) for i in range(3)]
-
-
 def _save_projections(ctx: Any, projections: Sequence[_Fwd], xas: Sequence[Tensor], *tensors: Tensor) -> None:
-    """Saves ``tensors`` and each projection's weight, adapters, ``xa`` and mask; scalings on ctx."""
-    per_projection = [(p.weight, p.lora_a, p.lora_b, xa, p.dropout_mask) for p, xa in zip(projections, xas)]
+    """Saves ``tensors`` and each projection's weight (a 4-bit one as it is: its codes and scales), adapters,
+    ``xa`` and mask; scalings and the lengths of the ``weight_quant`` lists on ctx."""
+    per_projection = [
+        (p.weight, *p.weight_quant, p.lora_a, p.lora_b, xa, p.dropout_mask) for p, xa in zip(projections, xas)
+    ]
     ctx.save_for_backward(*tensors, *(t for group in per_projection for t in group))
     ctx.scalings = tuple(p.scaling for p in projections)
+    ctx.quant_lengths = tuple(len(p.weight_quant) for p in projections)
 
 
 def _saved_projections(ctx: Any, leading: int) -> tuple[tuple[Tensor, ...], list[Any]]:
     """``(the first `leading` saved tensors, the backward op's projection arguments, flattened)``."""
     saved = ctx.saved_tensors
-    groups = [saved[leading + 5 * i : leading + 5 * (i + 1)] for i in range(3)]
-    flat = [value for (w, a, b, xa, m), s in zip(groups, ctx.scalings) for value in (w, a, b, xa, s, m)]
+    flat: list[Any] = []
+    start = leading
+    for scaling, quant_length in zip(ctx.scalings, ctx.quant_lengths):
+        weight, *quant, lora_a, lora_b, xa, mask = saved[start : start + 5 + quant_length]
+        flat += _Bwd(weight, quant, lora_a, lora_b, xa, scaling, mask)
+        start += 5 + quant_length
     return saved[:leading], flat
+
+
+def _adapter_grads(ctx: Any, bwd: Any, grads: Sequence[Tensor]) -> list[Any]:
+    """A backward's gradients of the projections' forward arguments, from ``(dA, dB)`` per projection.
+
+    ``weight_quant`` gets a list of Nones through the registered op (``register_autograd`` wants the
+    inputs' structure), None through the eager ``autograd.Function`` (a list is not a tensor input)."""
+    registered = isinstance(bwd, OpOverload)
+    quant = [[None] * n if registered else None for n in ctx.quant_lengths]
+    pairs = zip(grads[0::2], grads[1::2], quant)
+    return [g for da, db, q in pairs for g in (None, q, None, da, db, None, None)]
 
 
 def _qkv_setup_context(ctx: Any, inputs: Sequence[Any], output: QkvOutputs) -> None:
     ctx.dropout_p = inputs[-1]
-    _save_projections(ctx, _fwd_groups(inputs, 1), output[3:], inputs[0])
+    _save_projections(ctx, _fwd_groups(inputs, 1, 3), output[3:], inputs[0])
     ctx.mark_non_differentiable(*output[3:])
 
 
 def _qkv_backward(ctx: Any, bwd: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
     (x,), projections = _saved_projections(ctx, 1)
     if all(g is None for g in grads[:3]):
-        return (None,) * 20
+        return (None,) * (2 + 3 * _FWD_ARGS)
     # an output nobody used has no gradient (eager does not materialise them)
-    outs = [projections[6 * i].shape[0] for i in range(3)]
+    outs = [projections[_BWD_ARGS * i].shape[0] for i in range(3)]
     dq, dk, dv = (x.new_zeros((x.shape[0], n)) if g is None else g for g, n in zip(grads[:3], outs))
     compute_dx = ctx.needs_input_grad[0]
-    dx, dqa, dqb, dka, dkb, dva, dvb = bwd(dq, dk, dv, x, *projections, ctx.dropout_p, compute_dx)
-    adapter_grads = ((dqa, dqb), (dka, dkb), (dva, dvb))
-    per_projection = [(None, None, da, db, None, None) for da, db in adapter_grads]
-    return (dx if compute_dx else None, *(g for group in per_projection for g in group), None)
+    dx, *adapter_grads = bwd(dq, dk, dv, x, *projections, ctx.dropout_p, compute_dx)
+    return (dx if compute_dx else None, *_adapter_grads(ctx, bwd, adapter_grads), None)
 
 
 lora_qkv_family = define_op_family(
@@ -349,8 +391,8 @@ MlpOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 def _mlp_fwd(glu_fwd: GluFwd, x: Tensor, args: Sequence[Any]) -> MlpOutputs:
     """``(y, G, U, gate_xa, up_xa, down_xa)`` from the forward op's arguments after ``x``."""
-    gate, up, down = _fwd_groups(args, 0)
-    activation, dropout_p = args[18:]
+    gate, up, down = _fwd_groups(args, 0, 3)
+    activation, dropout_p = args[3 * _FWD_ARGS :]
     gate_out, gate_xa = _project(x, gate, dropout_p)
     up_out, up_xa = _project(x, up, dropout_p)
     y, down_xa = _project(glu_fwd(gate_out, up_out, activation), down, dropout_p)
@@ -360,8 +402,8 @@ def _mlp_fwd(glu_fwd: GluFwd, x: Tensor, args: Sequence[Any]) -> MlpOutputs:
 def _mlp_bwd(glu_fwd: GluFwd, glu_bwd: GluBwd, args: Sequence[Any]) -> AdapterGrads:
     """The backward op on its arguments; ``h`` recomputed from ``G`` and ``U``."""
     dy, x, gate_out, up_out, *rest = args
-    gate, up, down = (_Bwd(*rest[6 * i : 6 * (i + 1)]) for i in range(3))
-    activation, dropout_p, compute_dx = rest[18:]
+    gate, up, down = (_Bwd(*rest[_BWD_ARGS * i : _BWD_ARGS * (i + 1)]) for i in range(3))
+    activation, dropout_p, compute_dx = rest[3 * _BWD_ARGS :]
     h = glu_fwd(gate_out, up_out, activation)
     dh, ddown_a, ddown_b = _project_bwd(dy, h, down, dropout_p, None, True)
     del h  # eager: freed before the GLU backward allocates dG and dU
@@ -376,18 +418,21 @@ def _mlp_bwd(glu_fwd: GluFwd, glu_bwd: GluBwd, args: Sequence[Any]) -> AdapterGr
 def lora_mlp_fwd_math(
     x: Tensor,
     gate_weight: Tensor,
+    gate_weight_quant: list[Tensor],
     gate_bias: Tensor | None,
     gate_lora_a: Tensor,
     gate_lora_b: Tensor,
     gate_scaling: float,
     gate_dropout_mask: Tensor | None,
     up_weight: Tensor,
+    up_weight_quant: list[Tensor],
     up_bias: Tensor | None,
     up_lora_a: Tensor,
     up_lora_b: Tensor,
     up_scaling: float,
     up_dropout_mask: Tensor | None,
     down_weight: Tensor,
+    down_weight_quant: list[Tensor],
     down_bias: Tensor | None,
     down_lora_a: Tensor,
     down_lora_b: Tensor,
@@ -397,9 +442,9 @@ def lora_mlp_fwd_math(
     dropout_p: float,
 ) -> MlpOutputs:
     """Aten-only forward (CPU branch and the backend's decomposition): the activation in aten math."""
-    args = (gate_weight, gate_bias, gate_lora_a, gate_lora_b, gate_scaling, gate_dropout_mask,
-            up_weight, up_bias, up_lora_a, up_lora_b, up_scaling, up_dropout_mask,
-            down_weight, down_bias, down_lora_a, down_lora_b, down_scaling, down_dropout_mask,
+    args = (gate_weight, gate_weight_quant, gate_bias, gate_lora_a, gate_lora_b, gate_scaling, gate_dropout_mask,
+            up_weight, up_weight_quant, up_bias, up_lora_a, up_lora_b, up_scaling, up_dropout_mask,
+            down_weight, down_weight_quant, down_bias, down_lora_a, down_lora_b, down_scaling, down_dropout_mask,
             activation, dropout_p)  # fmt: skip
     return _mlp_fwd(glu_fwd_math, x, args)
 
@@ -415,18 +460,21 @@ def lora_mlp_bwd_math(
     gate_out: Tensor,
     up_out: Tensor,
     gate_weight: Tensor,
+    gate_weight_quant: list[Tensor],
     gate_lora_a: Tensor,
     gate_lora_b: Tensor,
     gate_xa: Tensor,
     gate_scaling: float,
     gate_dropout_mask: Tensor | None,
     up_weight: Tensor,
+    up_weight_quant: list[Tensor],
     up_lora_a: Tensor,
     up_lora_b: Tensor,
     up_xa: Tensor,
     up_scaling: float,
     up_dropout_mask: Tensor | None,
     down_weight: Tensor,
+    down_weight_quant: list[Tensor],
     down_lora_a: Tensor,
     down_lora_b: Tensor,
     down_xa: Tensor,
@@ -438,9 +486,9 @@ def lora_mlp_bwd_math(
 ) -> AdapterGrads:
     """Aten-only backward: ``(dx, dA_gate, dB_gate, dA_up, dB_up, dA_down, dB_down)``."""
     args = (dy, x, gate_out, up_out,
-            gate_weight, gate_lora_a, gate_lora_b, gate_xa, gate_scaling, gate_dropout_mask,
-            up_weight, up_lora_a, up_lora_b, up_xa, up_scaling, up_dropout_mask,
-            down_weight, down_lora_a, down_lora_b, down_xa, down_scaling, down_dropout_mask,
+            gate_weight, gate_weight_quant, gate_lora_a, gate_lora_b, gate_xa, gate_scaling, gate_dropout_mask,
+            up_weight, up_weight_quant, up_lora_a, up_lora_b, up_xa, up_scaling, up_dropout_mask,
+            down_weight, down_weight_quant, down_lora_a, down_lora_b, down_xa, down_scaling, down_dropout_mask,
             activation, dropout_p, compute_dx)  # fmt: skip
     return _mlp_bwd(glu_fwd_math, glu_bwd_math, args)
 
@@ -456,19 +504,17 @@ def lora_mlp_bwd_kernels(launch: Launch, *args: Any) -> AdapterGrads:
 
 def _mlp_setup_context(ctx: Any, inputs: Sequence[Any], output: MlpOutputs) -> None:
     ctx.activation, ctx.dropout_p = inputs[-2:]
-    _save_projections(ctx, _fwd_groups(inputs, 1), output[3:], inputs[0], output[1], output[2])
+    _save_projections(ctx, _fwd_groups(inputs, 1, 3), output[3:], inputs[0], output[1], output[2])
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _mlp_backward(ctx: Any, bwd: Any, dy: Tensor | None, *_unused: Tensor | None) -> tuple[Tensor | None, ...]:
     if dy is None:
-        return (None,) * 21
+        return (None,) * (3 + 3 * _FWD_ARGS)
     (x, gate_out, up_out), projections = _saved_projections(ctx, 3)
     compute_dx = ctx.needs_input_grad[0]
     dx, *adapter_grads = bwd(dy, x, gate_out, up_out, *projections, ctx.activation, ctx.dropout_p, compute_dx)
-    pairs = zip(adapter_grads[0::2], adapter_grads[1::2])
-    per_projection = [(None, None, da, db, None, None) for da, db in pairs]
-    return (dx if compute_dx else None, *(g for group in per_projection for g in group), None, None)
+    return (dx if compute_dx else None, *_adapter_grads(ctx, bwd, adapter_grads), None, None)
 
 
 lora_mlp_family = define_op_family(
@@ -489,6 +535,9 @@ class LoraProjection(NamedTuple):
     """One LoRA projection's parameters: ``y = x Wᵀ + bias + scaling · (dropout(x) Aᵀ) Bᵀ``.
 
     ``weight`` (out, in) and ``bias`` (out,) are the frozen base layer's, in the input's dtype;
+    ``weight`` may be a 4-bit one (:class:`~inductor_ext.ops.nf4.Nf4Weight`, a QLoRA base: bitsandbytes'
+    NF4/FP4, double quantisation too) that dequantises to the input's dtype: the ops dequantise it
+    for each GEMM that reads it, forward and backward, and keep only the 4-bit form between them;
     ``lora_a`` (r, in) and ``lora_b`` (out, r) the trainable adapters, in the input's dtype or
     float32 (PEFT keeps adapters in float32 over a 16-bit base by default: they are cast to the
     input's dtype for the GEMMs, as autocast would, and their gradients come back in float32).
@@ -496,7 +545,7 @@ class LoraProjection(NamedTuple):
     m.lora_A[name].weight, m.lora_B[name].weight, m.scaling[name], m.base_layer.bias)``.
     """
 
-    weight: Tensor
+    weight: Tensor | Nf4Weight
     lora_a: Tensor
     lora_b: Tensor
     scaling: float
@@ -516,7 +565,12 @@ def _check_projection(fn: str, name: str, proj: Any, x: Tensor, in_features: int
     """``proj`` (a :class:`LoraProjection`) fits an input of ``in_features`` like ``x`` (dtype, device)."""
     if not isinstance(proj, LoraProjection):
         raise TypeError(f"{fn}: {name} must be a LoraProjection, got {type(proj).__name__}")
-    for arg in ("weight", "lora_a", "lora_b"):
+    quantized = isinstance(proj.weight, Nf4Weight)
+    if isinstance(proj.weight, Nf4Weight):
+        check_nf4_weight(fn, f"{name}.weight", proj.weight)
+        if proj.weight.device != x.device:
+            raise ValueError(f"{fn}: {name}.weight is on {proj.weight.device} but x is on {x.device}")
+    for arg in ("lora_a", "lora_b") if quantized else ("weight", "lora_a", "lora_b"):
         t = getattr(proj, arg)
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name}.{arg} must be a Tensor, got {type(t).__name__}")
@@ -532,8 +586,9 @@ def _check_projection(fn: str, name: str, proj: Any, x: Tensor, in_features: int
             f"got {tuple(weight.shape)}"
         )
     if weight.dtype != x.dtype:
-        raise TypeError(f"{fn}: {name}.weight must have x's dtype ({x.dtype}), got {weight.dtype}")
-    if weight.requires_grad:
+        what = "dequantise to" if quantized else "have"
+        raise TypeError(f"{fn}: {name}.weight must {what} x's dtype ({x.dtype}), got {weight.dtype}")
+    if isinstance(weight, Tensor) and weight.requires_grad:
         raise ValueError(f"{fn}: {name}.weight must be frozen (requires_grad=False): no base-weight gradient")
     if lora_a.shape[1] != in_features:
         raise ValueError(
@@ -605,7 +660,8 @@ def _masks(
 def _fwd_args(proj: LoraProjection, x: Tensor, mask: Tensor | None) -> tuple[Any, ...]:
     """A projection's forward op arguments, the adapters cast to x's dtype (float32 ones)."""
     lora_a, lora_b = proj.lora_a.to(x.dtype), proj.lora_b.to(x.dtype)
-    return proj.weight, proj.bias, lora_a, lora_b, float(proj.scaling), None if mask is None else rows_2d(mask)
+    weight, quant = proj.weight.op_arguments() if isinstance(proj.weight, Nf4Weight) else (proj.weight, [])
+    return weight, quant, proj.bias, lora_a, lora_b, float(proj.scaling), None if mask is None else rows_2d(mask)
 
 
 def lora_linear(
@@ -722,12 +778,13 @@ def lora_linear_ref(
     """Plain PyTorch, PEFT's spelling: ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` (differentiable).
 
     ``dropout_mask`` (bool, True keeps) applies dropout; None means none (no randomness here).
-    With float64 inputs it is the exact reference.
+    With float64 inputs it is the exact reference (a 4-bit base: on its dequantised weights).
     """
     x_d = x if dropout_mask is None else x * dropout_mask / (1.0 - dropout_p)
     lora_a, lora_b = proj.lora_a.to(x.dtype), proj.lora_b.to(x.dtype)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(x_d, lora_a), lora_b)
-    return torch.nn.functional.linear(x, proj.weight, proj.bias) + lora * proj.scaling
+    weight = nf4_dequantize(proj.weight).to(x.dtype) if isinstance(proj.weight, Nf4Weight) else proj.weight
+    return torch.nn.functional.linear(x, weight, proj.bias) + lora * proj.scaling
 
 
 def lora_qkv_ref(

@@ -22,6 +22,7 @@ from inductor_ext.ops.lora import (
     lora_qkv_family,
     lora_qkv_ref,
 )
+from inductor_ext.ops.nf4 import Nf4Weight
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err
 
@@ -336,12 +337,17 @@ def test_zero_rows():
 # --- opcheck --------------------------------------------------------------------------------------
 
 
+def _weight_args(proj: LoraProjection) -> list:
+    """``weight, weight_quant`` as the ops take them (a 4-bit weight: its codes and its scales)."""
+    return list(proj.weight.op_arguments()) if isinstance(proj.weight, Nf4Weight) else [proj.weight, []]
+
+
 def _fwd_args(proj: LoraProjection, mask: torch.Tensor | None) -> list:
-    return [proj.weight, proj.bias, proj.lora_a, proj.lora_b, proj.scaling, mask]
+    return [*_weight_args(proj), proj.bias, proj.lora_a, proj.lora_b, proj.scaling, mask]
 
 
 def _bwd_args(proj: LoraProjection, xa: torch.Tensor, mask: torch.Tensor | None) -> list:
-    return [proj.weight, proj.lora_a.detach(), proj.lora_b.detach(), xa, proj.scaling, mask]
+    return [*_weight_args(proj), proj.lora_a.detach(), proj.lora_b.detach(), xa, proj.scaling, mask]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
