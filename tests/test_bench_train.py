@@ -152,6 +152,62 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
 
 
 @pytest.mark.slow
+def test_qlora_providers_train_the_adapters_over_the_nf4_base_with_equal_losses(tmp_path):
+    """``--qlora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same NF4 base,
+    adapters and batches: the same math on the same quantised weights, so the losses agree to bf16
+    tolerance, the first step's (the adapters' B is zero there: the base's loss) and those after it."""
+    pytest.importorskip("bitsandbytes")
+    results, stdout = run_tiny_bench(
+        tmp_path, "qlora_peft_eager", "qlora_fused_eager", flags=("--qlora",), stem="train_tiny-llama_2x16_qlora"
+    )
+    assert list(results) == ["qlora_peft_eager", "qlora_fused_eager"]
+    peft_losses, ours = results["qlora_peft_eager"]["losses"], results["qlora_fused_eager"]["losses"]
+    assert len(peft_losses) == len(ours) == 3
+    assert all(math.isfinite(loss) for loss in (*peft_losses, *ours))
+    assert ours[0] == pytest.approx(peft_losses[0], rel=2e-2)
+    for a, b in zip(peft_losses, ours, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)
+    meta = json.loads((tmp_path / "train_tiny-llama_2x16_qlora.json").read_text())["meta"]
+    assert meta["qlora"]["quant_type"] == "nf4" and meta["qlora"]["double_quant"]
+    assert "x qlora_peft_eager" in stdout
+
+
+def test_quantize_base_replaces_the_decoder_linears_with_nf4_and_leaves_the_rest():
+    """Each targeted linear of each decoder layer becomes a quantised ``Linear4bit`` whose dequantised
+    weight is the original to NF4's error (4-bit codes on blocks of 64: about 9% relative here); the
+    embeddings, norms and LM head keep their tensors."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from inductor_ext.bench import qlora
+
+    model = train.build_model("tiny-llama", "cpu", torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kept = {name: p for name, p in model.named_parameters() if not name.endswith("_proj.weight")}
+    replaced = qlora.quantize_base(model)
+    layers = train.MODELS["tiny-llama"]["num_hidden_layers"]
+    expected = [f"model.layers.{i}.{block}.{target}" for i in range(layers)
+                for block, targets in (("self_attn", train.LORA_TARGETS[:4]), ("mlp", train.LORA_TARGETS[4:]))
+                for target in targets]  # fmt: skip
+    assert sorted(replaced) == sorted(expected)
+    quantized = {name for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert quantized == set(expected) and model.is_loaded_in_4bit
+    for name in expected:
+        linear = model.get_submodule(name)
+        weight = linear.weight
+        assert weight.bnb_quantized and weight.dtype == torch.uint8 and not weight.requires_grad
+        assert weight.quant_state.quant_type == "nf4" and weight.quant_state.nested  # double quantisation
+        assert linear.compute_dtype == torch.bfloat16
+        original = before[f"{name}.weight"].float()
+        restored = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+        assert restored.shape == original.shape
+        assert float((restored - original).norm() / original.norm()) < 0.15
+    for name, p in model.named_parameters():
+        if name in kept:
+            assert p is kept[name], name
+            torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+
+
+@pytest.mark.slow
 def test_nproc_shards_each_provider_with_fsdp2_over_gloo_ranks(tmp_path):
     """``--nproc 2`` on CPU: each provider as 2 gloo ranks under torch.distributed.run, FSDP2 per
     decoder layer, each rank on its own batches; rank 0 reports the ranks' mean loss."""
@@ -320,3 +376,35 @@ def test_packed_arguments_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         train.main(["--device", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--qlora", "--lora"], "--qlora runs alone"),
+        (["--qlora", "--packed"], "--packed runs alone"),
+        (["--qlora", "--cpp-wrapper"], "--qlora runs alone"),
+        (["--qlora", "--nproc", "2"], "--qlora runs alone"),
+        (["--qlora", "--providers", "qlora_peft_eager", "peft_eager"], "--qlora runs only"),
+        (["--providers", "qlora_fused_eager"], "only with --qlora"),
+        (["--lora", "--providers", "qlora_peft_eager"], "only with --qlora"),
+    ],
+)
+def test_qlora_arguments_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_qlora_rows_take_ratios_to_both_peft_references_and_losses_to_peft_eager():
+    def result(tokens, loss):
+        return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
+                "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
+
+    results = {"qlora_peft_eager": result(40.0, 3.0), "qlora_peft_torch_compile": result(80.0, 3.5),
+               "qlora_fused_fastops_inductor": result(100.0, 3.25)}  # fmt: skip
+    rows = train.summarize(results)
+    assert [(r["provider"], r["x torch.compile"], r["x qlora_peft_eager"], r["- hf_eager"]) for r in rows] == [
+        ("qlora_peft_eager", 0.5, 1.0, 0.0), ("qlora_peft_torch_compile", 1.0, 2.0, 0.5),
+        ("qlora_fused_fastops_inductor", 1.25, 2.5, 0.25)
+    ]  # fmt: skip

@@ -24,6 +24,19 @@ adapters go to the optimizer. PEFT's unfused layers eager, under ``torch.compile
 ``fastops_inductor``, against the same model with :func:`inductor_ext.models.apply` (the fused LoRA
 ops, and our norms, RoPE and loss) eager and under ``fastops_inductor``.
 
+``--qlora`` fine-tunes the same adapters over a 4-bit base (:data:`QLORA_PROVIDERS`; ``--providers``
+picks among them): every decoder linear layer the adapters target becomes a bitsandbytes NF4
+``Linear4bit`` (double quantisation, blocks of 64, computing in bf16; :func:`inductor_ext.bench.qlora.quantize_base`,
+on the GPU after the bf16 model is built), the LM head, embeddings and norms stay bf16, and PEFT wraps
+each quantised layer as its ``lora.Linear4bit``. PEFT eager and under ``torch.compile``, against the PEFT
+model patched by :func:`inductor_ext.models.apply`, eager and under ``fastops_inductor``. Speeds compare
+with ``qlora_peft_torch_compile``'s and ``qlora_peft_eager``'s, losses with ``qlora_peft_eager``'s; the
+output files end in ``_qlora``.
+
+``--gradient-checkpointing`` recomputes each decoder layer's activations in the backward (transformers'
+``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``), for any provider; the
+output files end in ``_gc``.
+
 ``--nproc N`` runs each provider on N GPUs of this host (:mod:`inductor_ext.bench.fsdp`): FSDP2
 per decoder layer, ``--batch`` sequences per rank, tokens/s summed over the ranks and reported per
 GPU too; the loss is the ranks' mean.
@@ -55,6 +68,7 @@ prove causal unless ``fastops.assume_no_padding`` is set (provider
 """
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -87,11 +101,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "mistral-7b-4l": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4,
                           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768, "rms_norm_eps": 1e-5,
                           "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None},
+    "llama-3.1-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                         "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False},
     "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256},
 }  # fmt: skip
 """Model shapes by name: a transformers config's fields (``model_type`` picks the class). The real
-models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers) and a tiny one for CPU tests."""
+models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers, Llama-3.1-8B) and a tiny one for
+CPU tests."""
 
 PROVIDERS: dict[str, dict[str, Any] | None] = {
     "hf_eager": None,
@@ -123,6 +141,10 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "patched_fastops_inductor_packed": {"backend": "fastops_inductor"},
     "patched_eager_packed": None,
     "liger_packed": None,
+    "qlora_peft_eager": None,
+    "qlora_peft_torch_compile": {},
+    "qlora_fused_eager": None,
+    "qlora_fused_fastops_inductor": {"backend": "fastops_inductor"},
 }  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
@@ -131,8 +153,11 @@ patched by :func:`inductor_ext.models.apply` (our norms, MLPs, RoPE and fused li
 ``_cpp_wrapper``: Inductor's C++ wrapper (for the patched model too); ``_warm_db``: the standalone
 tuner fills the tuning database from the model's config before the model is built; ``peft_*`` and
 ``lora_fused_*`` train LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by
-:func:`inductor_ext.models.apply`; ``*_packed`` and ``*_padded`` train on documents (``--packed``), packed
-with ``position_ids`` or right-padded with an ``attention_mask`` (compiled with ``dynamic=True``)."""
+:func:`inductor_ext.models.apply`; ``qlora_*`` train the same adapters over the NF4-quantised base
+(``--qlora``, :mod:`inductor_ext.bench.qlora`), ``qlora_peft_*`` with PEFT's ``lora.Linear4bit`` layers,
+``qlora_fused_*`` on that PEFT model patched by :func:`inductor_ext.models.apply`; ``*_packed`` and
+``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
+``attention_mask`` (compiled with ``dynamic=True``)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -141,6 +166,8 @@ CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fa
 LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "lora_fused_eager",
                   "lora_fused_fastops_inductor")  # fmt: skip
 """What ``--lora`` runs."""
+QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor")
+"""What ``--qlora`` runs (``--providers`` picks among them)."""
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
                     "liger_packed")  # fmt: skip
@@ -194,6 +221,21 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
         r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=list(LORA_TARGETS)
     )
     return peft.get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of each decoder layer of ``model`` (a PEFT model's too).
+    transformers 5.24 also makes the embeddings' output require grad there (``enable_input_require_grads``),
+    which a frozen base under reentrant checkpointing needs and non-reentrant checkpointing does not:
+    the adapters get their gradients either way."""
+    hf_model: Any = model
+    if hasattr(hf_model, "get_base_model"):  # PEFT's wrapper
+        hf_model = hf_model.get_base_model()
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):  # gradient_checkpointing_enable: its deprecated alias
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def make_step(
@@ -265,10 +307,16 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             weight_grad_accumulation="weight_dtype" if "_weight_dtype" in provider else "fp32",
             loss_chunk_size=args.loss_chunk_size,
         )
-    if provider in LORA_PROVIDERS:
-        model = add_lora(model)
-    if provider.startswith("lora_fused_"):
+    if provider in QLORA_PROVIDERS:
+        from inductor_ext.bench import qlora  # it reads this module's LORA_TARGETS: imported once this one is
+
+        qlora.quantize_base(model)
+    if provider in LORA_PROVIDERS or provider in QLORA_PROVIDERS:
+        model = add_lora(model)  # over a quantised base, PEFT's lora.Linear4bit layers
+    if provider.startswith(("lora_fused_", "qlora_fused_")):
         models.apply(model, loss_chunk_size=args.loss_chunk_size)
+    if args.gradient_checkpointing:
+        enable_checkpointing(model)
     if ranks > 1:
         fsdp.shard(model)
     optimizer_step = make_step(model, provider, args.attention_mask)
@@ -382,6 +430,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lora", action="store_true", help=f"run {' '.join(LORA_PROVIDERS)} (instead of --providers)")
     p.add_argument(
+        "--qlora",
+        action="store_true",
+        help=f"LoRA over an NF4 base (bitsandbytes): run {' '.join(QLORA_PROVIDERS)} (--providers among them)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer's activations in the backward (non-reentrant), for every provider",
+    )
+    p.add_argument(
         "--packed",
         action="store_true",
         help="train on packed documents and their padded baseline (--providers among PACKED_PROVIDERS)",
@@ -413,14 +471,22 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--loss-chunk-size must be >= 1"
     packed = [p for p in args.providers or () if p in PACKED_PROVIDERS]
     if args.packed:
-        if args.lora or args.cpp_wrapper or args.nproc > 1 or args.attention_mask != "none":
-            return "--packed runs alone: not with --lora, --cpp-wrapper, --nproc > 1 or --attention-mask ones"
+        if args.lora or args.qlora or args.cpp_wrapper or args.nproc > 1 or args.attention_mask != "none":
+            return "--packed runs alone: not with --lora, --qlora, --cpp-wrapper, --nproc > 1 or --attention-mask ones"
         if args.padded_batch < 1:
             return "--padded-batch must be >= 1"
         if args.providers is not None and len(packed) < len(args.providers):
             return f"--packed runs only {' '.join(PACKED_PROVIDERS)}"
     elif packed:
         return f"{' '.join(packed)}: only with --packed"
+    quantized = [p for p in args.providers or () if p in QLORA_PROVIDERS]
+    if args.qlora:
+        if args.lora or args.packed or args.cpp_wrapper or args.nproc > 1:
+            return "--qlora runs alone: not with --lora, --packed, --cpp-wrapper or --nproc > 1"
+        if args.providers is not None and len(quantized) < len(args.providers):
+            return f"--qlora runs only {' '.join(QLORA_PROVIDERS)}"
+    elif quantized:
+        return f"{' '.join(quantized)}: only with --qlora"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -436,17 +502,25 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
         flags += ["--loss-chunk-size", args.loss_chunk_size]
     if args.packed:
         flags += ["--packed", "--padded-batch", args.padded_batch]
+    if args.gradient_checkpointing:
+        flags += ["--gradient-checkpointing"]
     module_args = ["inductor_ext.bench", "train", *map(str, flags)]
     if args.nproc > 1:
         return fsdp.launch_command(args.nproc, module_args)
     return [sys.executable, "-m", *module_args]
 
 
+def required_package(provider: str) -> str | None:
+    """The optional package ``provider`` needs: ``liger_kernel`` (``liger_*``), ``bitsandbytes`` (``qlora_*``)."""
+    packages = {"liger_": "liger_kernel", "qlora_": "bitsandbytes"}
+    return next((package for prefix, package in packages.items() if provider.startswith(prefix)), None)
+
+
 def available(provider: str) -> bool:
-    if not provider.startswith("liger_"):
+    if (package := required_package(provider)) is None:
         return True
     try:
-        import liger_kernel.transformers  # noqa: F401
+        importlib.import_module("liger_kernel.transformers" if package == "liger_kernel" else package)
     except ImportError:
         return False
     return True
@@ -454,23 +528,29 @@ def available(provider: str) -> bool:
 
 def references(provider: str, results: Mapping[str, Any]) -> tuple[str, str]:
     """The providers whose speed and loss ``provider``'s are compared with: ``torch_compile`` and ``hf_eager``
-    (with LoRA, when those did not run: ``peft_torch_compile`` and ``peft_eager``; with ``--packed``:
-    ``torch_compile_packed`` and ``hf_eager_packed``, or ``hf_eager_padded`` for the padded providers)."""
+    (with LoRA, when those did not run: ``peft_torch_compile`` and ``peft_eager``; with ``--qlora``:
+    ``qlora_peft_torch_compile`` and ``qlora_peft_eager``; with ``--packed``: ``torch_compile_packed`` and
+    ``hf_eager_packed``, or ``hf_eager_padded`` for the padded providers)."""
     if provider in PACKED_PROVIDERS:
         return "torch_compile_packed", "hf_eager_padded" if provider.endswith("_padded") else "hf_eager_packed"
+    if provider in QLORA_PROVIDERS:
+        return "qlora_peft_torch_compile", "qlora_peft_eager"
     compiled = "torch_compile" if "torch_compile" in results else "peft_torch_compile"
     return compiled, "hf_eager" if "hf_eager" in results else "peft_eager"
 
 
 def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per provider: the ratios to the compiled reference's speed (real tokens/s in ``--packed``
-    runs) and the final loss's difference from the eager reference's (:func:`references`)."""
+    runs; ``--qlora`` rows also to the eager reference's) and the final loss's difference from the eager
+    reference's (:func:`references`)."""
     rows = []
     for name, r in results.items():
         compiled, eager = references(name, results)
         packed = "real_tokens_per_s" in r
         speed = "real_tokens_per_s" if packed else "tokens_per_s"
         base = results.get(compiled, {}).get(speed)
+        eager_speed = results.get(eager, {}).get(speed)
+        qlora = name in QLORA_PROVIDERS
         real = (
             {"real tokens/s": round(r["real_tokens_per_s"]), "pad %": round(100 * r["pad_fraction"], 1)}
             if packed
@@ -483,6 +563,7 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
             **({"tokens/s per GPU": round(r["tokens_per_s_per_gpu"])} if r.get("ranks", 1) > 1 else {}),
             **real,
             "x torch.compile": round(r[speed] / base, 3) if base else None,
+            **({"x qlora_peft_eager": round(r[speed] / eager_speed, 3) if eager_speed else None} if qlora else {}),
             "peak GiB": round(r["peak_gib"], 2) if r["peak_gib"] is not None else None,
             "first step s": round(r["first_step_s"], 1),
             "final loss": round(r["losses"][-1], 4),
@@ -532,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     if (error := _check(args)) is not None:
         p.error(error)
     if args.providers is None:
-        args.providers = list(PACKED_PROVIDERS if args.packed else DEFAULT_PROVIDERS)
+        args.providers = list(PACKED_PROVIDERS if args.packed else QLORA_PROVIDERS if args.qlora else DEFAULT_PROVIDERS)
     if args.cpp_wrapper:
         args.providers = list(CPP_WRAPPER_PROVIDERS)
     if args.lora:
@@ -543,24 +624,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tabulate import tabulate
 
+    from inductor_ext.bench import qlora  # it reads this module's LORA_TARGETS: imported once this one is
+
     stem = f"train_{args.model}_{args.batch}x{args.seq}" + ("_mask" if args.attention_mask == "ones" else "")
     stem += "_cpp_wrapper" if args.cpp_wrapper else ""
     stem += "_lora" if args.lora else ""
+    stem += "_qlora" if args.qlora else ""
     stem += "_packed" if args.packed else ""
     stem += f"_{args.nproc}gpu" if args.nproc > 1 else ""
     stem += f"_loss_chunk{args.loss_chunk_size}" if args.loss_chunk_size else ""
+    stem += "_gc" if args.gradient_checkpointing else ""
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
             "attention_mask": args.attention_mask, "loss_chunk_size": args.loss_chunk_size, "torch": torch.__version__,
             **({"packed": True, "padded_batch": args.padded_batch, "doc_length_median": packing.DOC_LENGTH_MEDIAN,
                 "doc_length_sigma": packing.DOC_LENGTH_SIGMA, "doc_length_min": packing.DOC_LENGTH_MIN}
                if args.packed else {}),
+            **({"qlora": qlora.quantization_meta(), "peft": _version("peft")} if args.qlora else {}),
+            **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
             "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results = _earlier_results(args.out / f"{stem}.json", meta) if args.merge else {}
     for provider in args.providers:
         if not available(provider):
-            print(f"{provider}: skipped (liger_kernel is not importable)")
+            print(f"{provider}: skipped ({required_package(provider)} is not importable)")
             continue
         print(f"{provider} ...", end=" ", flush=True)
         with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
