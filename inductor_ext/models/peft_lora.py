@@ -2,7 +2,10 @@
 
 What is routed, per PEFT ``lora.Linear`` layer that :func:`unfusable_reason` accepts (one active
 adapter, not merged, vanilla LoRA: no DoRA or other variant, no bias on B, a plain
-``nn.Linear`` base, adapters of the expected shapes and dtypes):
+``nn.Linear`` base, adapters of the expected shapes and dtypes), and per PEFT ``lora.bnb.Linear4bit``
+(QLoRA: a bitsandbytes ``Linear4bit`` base, NF4 or FP4, double quantisation or not) under the same
+conditions; a 4-bit base becomes an :class:`~inductor_ext.ops.nf4.Nf4Weight` over the layer's own
+tensors on each call (no copy, nothing added to the module or its state dict):
 
 - the layer's own ``forward`` (per instance) becomes one :func:`~inductor_ext.ops.lora.lora_linear`
   (:func:`lora_linear_forward`): the base GEMM, the low-rank term added into its output in place,
@@ -16,6 +19,11 @@ attention module's forward, which differs per family and per transformers versio
 packed ``qkv_proj``, sliding windows, caches); replacing it would copy transformers' attention.
 What ``lora_qkv`` saves over three ``lora_linear`` is summing the three input gradients into one
 buffer (two ``(N, hidden)`` additions in the backward, which autograd does instead).
+
+A 4-bit base runs fused when its input has the dtype it dequantises to and its ``compute_dtype``
+(bitsandbytes casts the input to ``compute_dtype`` and the output back: with another dtype the layer
+runs PEFT's forward). bitsandbytes' CPU inference repacking (``packing_format_for_cpu``, done by its
+own forward in eval mode on AVX512-BF16 hosts) changes the layout: such a layer runs PEFT's forward.
 
 Each forward checks the layer's PEFT state on every call and runs PEFT's own forward when it no
 longer fits (adapters disabled with ``disable_adapter()``, merged, another active adapter,
@@ -33,6 +41,7 @@ import torch
 from torch import Tensor
 
 from inductor_ext.ops.lora import SUPPORTED_DTYPES, LoraProjection, lora_linear, lora_mlp
+from inductor_ext.ops.nf4 import Nf4Weight, check_nf4_weight
 
 MLP_ACTIVATIONS = {("silu", "none"): "silu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 """(our GLU activation, GELU approximation) as :data:`~inductor_ext.models.families.ACTIVATIONS`
@@ -48,6 +57,41 @@ def lora_linear_class() -> Any:
     return Linear
 
 
+def lora_linear_4bit_class() -> Any:
+    """PEFT's ``lora.bnb.Linear4bit`` when PEFT and bitsandbytes are imported, else None."""
+    if "peft" not in sys.modules or "bitsandbytes" not in sys.modules:
+        return None
+    from peft.tuners.lora import bnb
+
+    return getattr(bnb, "Linear4bit", None)
+
+
+def _is_4bit(layer: Any) -> bool:
+    cls = lora_linear_4bit_class()
+    return cls is not None and type(layer) is cls
+
+
+def _unusable_4bit_base(base: Any) -> str | None:
+    """Why a bitsandbytes ``Linear4bit`` base cannot be read as an :class:`Nf4Weight`, or None."""
+    import bitsandbytes
+
+    if type(base) not in (bitsandbytes.nn.Linear4bit, bitsandbytes.nn.LinearNF4, bitsandbytes.nn.LinearFP4):
+        return f"its base layer is {type(base).__name__}, not bitsandbytes' Linear4bit"
+    weight = base.weight
+    state = getattr(weight, "quant_state", None)
+    if state is None or not getattr(weight, "bnb_quantized", False):
+        return "its 4-bit base is not quantised yet (bitsandbytes quantises when the layer moves to its device)"
+    if getattr(state, "packing_format_for_cpu", False):
+        return "its 4-bit base is in bitsandbytes' CPU inference layout (packing_format_for_cpu)"
+    try:
+        check_nf4_weight("models.apply", "the base weight", Nf4Weight.from_bnb(weight))
+    except (ValueError, TypeError) as error:
+        return f"its 4-bit base does not fit the fused ops ({error})"
+    if base.bias is not None and base.bias.requires_grad:
+        return "its base bias requires_grad: the ops take a frozen base"
+    return None
+
+
 def is_lora_layer(module: torch.nn.Module) -> bool:
     """A PEFT ``LoraLayer`` of any kind (Linear, Embedding, Conv, quantized Linear, ...)."""
     if "peft" not in sys.modules:
@@ -60,8 +104,12 @@ def is_lora_layer(module: torch.nn.Module) -> bool:
 def unfusable_reason(layer: Any) -> str | None:
     """Why the PEFT LoRA layer ``layer`` cannot run on :func:`lora_linear`, or None when it can."""
     linear = lora_linear_class()
-    if linear is None or type(layer) is not linear:
-        return f"{type(layer).__name__} is not PEFT's lora.Linear (LoRA on Embedding, Conv or a quantized base)"
+    quantized = _is_4bit(layer)
+    if not quantized and (linear is None or type(layer) is not linear):
+        return (
+            f"{type(layer).__name__} is not PEFT's lora.Linear or lora.bnb.Linear4bit "
+            "(LoRA on Embedding, Conv or an 8-bit or other quantised base)"
+        )
     active = list(layer.active_adapters)
     if len(active) != 1:
         return f"{len(active)} active adapters {active}: the fused ops take one"
@@ -77,13 +125,17 @@ def unfusable_reason(layer: Any) -> str | None:
     if getattr(layer, "lora_bias", {}).get(name, False):
         return "a bias on lora_B (lora_bias): the fused ops have none"
     base = layer.base_layer
-    if type(base) is not torch.nn.Linear or getattr(layer, "fan_in_fan_out", False):
+    if quantized:
+        reason = _unusable_4bit_base(base)
+        if reason is not None:
+            return reason
+    elif type(base) is not torch.nn.Linear or getattr(layer, "fan_in_fan_out", False):
         return f"its base layer is {type(base).__name__}, not a plain nn.Linear"
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
     if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear or lora_b.bias is not None:
         return "its adapters are not bias-free nn.Linear layers"
-    weight, a, b = base.weight, lora_a.weight, lora_b.weight
-    if (
+    weight, a, b = _base_weight(base), lora_a.weight, lora_b.weight
+    if not quantized and (
         weight.dtype not in SUPPORTED_DTYPES
         or weight.requires_grad
         or (base.bias is not None and base.bias.requires_grad)
@@ -107,17 +159,36 @@ def unfusable_reason(layer: Any) -> str | None:
     return None
 
 
+def _base_weight(base: Any) -> Tensor | Nf4Weight:
+    """A PEFT layer's base weight as the ops take it: the tensor, or a 4-bit one's :class:`Nf4Weight`."""
+    weight = base.weight
+    return Nf4Weight.from_bnb(weight) if getattr(weight, "quant_state", None) is not None else weight
+
+
 def _active(layer: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[LoraProjection, float] | None:
     """``(projection, dropout p)`` of the layer's adapter when the layer's state still fits the fused op
-    on an input of ``dtype`` (not under autocast with a base of another dtype, base still frozen)."""
+    on an input of ``dtype`` (not under autocast with a base of another dtype, base still frozen; a 4-bit
+    base: dequantising to ``dtype``, computing in it, in bitsandbytes' training layout)."""
     name = layer._fastops_adapter
     if layer.disable_adapters or layer.merged or kwargs or layer.active_adapters != [name]:
         return None
     base = layer.base_layer
-    if base.weight.dtype != dtype or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+    if base.bias is not None and base.bias.requires_grad:
+        return None
+    if getattr(base.weight, "quant_state", None) is not None:
+        state = base.weight.quant_state
+        if (
+            state.dtype != dtype
+            or base.compute_dtype not in (None, dtype)
+            or getattr(state, "packing_format_for_cpu", False)
+        ):
+            return None
+        if base.bias is not None and base.bias.dtype != dtype:
+            return None
+    elif base.weight.dtype != dtype or base.weight.requires_grad:
         return None
     projection = LoraProjection(
-        base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], base.bias
+        _base_weight(base), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], base.bias
     )
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
