@@ -11,6 +11,7 @@ from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
     LoraProjection,
+    Nf4Weight,
     add_rms_norm,
     add_rms_norm_ref,
     apply_rotary_pos_emb,
@@ -31,6 +32,7 @@ from inductor_ext.ops import (
     lora_mlp_ref,
     lora_qkv,
     lora_qkv_ref,
+    nf4_dequantize,
     rms_norm,
     rms_norm_ref,
     swiglu,
@@ -54,6 +56,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ExportError",
     "LoraProjection",
+    "Nf4Weight",
     "__version__",
     "add_rms_norm",
     "add_rms_norm_ref",
@@ -80,6 +83,7 @@ __all__ = [
     "lora_qkv",
     "lora_qkv_ref",
     "models",
+    "nf4_dequantize",
     "nn",
     "rms_norm",
     "rms_norm_ref",

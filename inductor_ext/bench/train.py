@@ -133,6 +133,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "peft_fastops_inductor": {"backend": "fastops_inductor"},
     "lora_fused_eager": None,
     "lora_fused_fastops_inductor": {"backend": "fastops_inductor"},
+    "lora_fused_fastops_inductor_input_dtype": {"backend": "fastops_inductor"},
     "hf_eager_padded": None,
     "fastops_inductor_padded": {"backend": "fastops_inductor", "dynamic": True},
     "hf_eager_packed": None,
@@ -145,6 +146,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "qlora_peft_torch_compile": {},
     "qlora_fused_eager": None,
     "qlora_fused_fastops_inductor": {"backend": "fastops_inductor"},
+    "qlora_fused_fastops_inductor_input_dtype": {"backend": "fastops_inductor"},
 }  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
@@ -155,7 +157,8 @@ tuner fills the tuning database from the model's config before the model is buil
 ``lora_fused_*`` train LoRA adapters (``--lora``), ``lora_fused_*`` on the PEFT model patched by
 :func:`inductor_ext.models.apply`; ``qlora_*`` train the same adapters over the NF4-quantised base
 (``--qlora``, :mod:`inductor_ext.bench.qlora`), ``qlora_peft_*`` with PEFT's ``lora.Linear4bit`` layers,
-``qlora_fused_*`` on that PEFT model patched by :func:`inductor_ext.models.apply`; ``*_packed`` and
+``qlora_fused_*`` on that PEFT model patched by :func:`inductor_ext.models.apply` (``*_input_dtype``: with
+``lora_dtype="input"``, the float32 adapters' low-rank GEMMs in bf16); ``*_packed`` and
 ``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
 ``attention_mask`` (compiled with ``dynamic=True``)."""
 
@@ -164,9 +167,10 @@ CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fa
                          "fastops_inductor_cpp_wrapper_warm_db")  # fmt: skip
 """What ``--cpp-wrapper`` runs."""
 LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "lora_fused_eager",
-                  "lora_fused_fastops_inductor")  # fmt: skip
+                  "lora_fused_fastops_inductor", "lora_fused_fastops_inductor_input_dtype")  # fmt: skip
 """What ``--lora`` runs."""
-QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor")
+QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor",
+                   "qlora_fused_fastops_inductor_input_dtype")  # fmt: skip
 """What ``--qlora`` runs (``--providers`` picks among them)."""
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
@@ -314,7 +318,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     if provider in LORA_PROVIDERS or provider in QLORA_PROVIDERS:
         model = add_lora(model)  # over a quantised base, PEFT's lora.Linear4bit layers
     if provider.startswith(("lora_fused_", "qlora_fused_")):
-        models.apply(model, loss_chunk_size=args.loss_chunk_size)
+        lora_dtype = "input" if provider.endswith("_input_dtype") else "adapters"
+        models.apply(model, loss_chunk_size=args.loss_chunk_size, lora_dtype=lora_dtype)
     if args.gradient_checkpointing:
         enable_checkpointing(model)
     if ranks > 1:

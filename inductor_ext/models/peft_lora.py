@@ -35,13 +35,18 @@ projection as PEFT's separate dropout modules do, so the random stream differs f
 """
 
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from inductor_ext.ops.lora import SUPPORTED_DTYPES, LoraProjection, lora_linear, lora_mlp
 from inductor_ext.ops.nf4 import Nf4Weight, check_nf4_weight
+
+LoraDtype = Literal["adapters", "input"]
+LORA_DTYPES: tuple[LoraDtype, ...] = ("adapters", "input")
+"""``models.apply``'s ``lora_dtype``: the low-rank GEMMs in the adapters' dtype (PEFT's numerics) or in
+the input's (adapters cast per call, as autocast would)."""
 
 MLP_ACTIVATIONS = {("silu", "none"): "silu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
 """(our GLU activation, GELU approximation) as :data:`~inductor_ext.models.families.ACTIVATIONS`
@@ -187,9 +192,10 @@ def _active(layer: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Lor
             return None
     elif base.weight.dtype != dtype or base.weight.requires_grad:
         return None
-    projection = LoraProjection(
-        _base_weight(base), layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], base.bias
-    )
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    if layer._fastops_lora_dtype == "input":  # differentiable casts: the gradients arrive in the adapters' dtype
+        lora_a, lora_b = lora_a.to(dtype), lora_b.to(dtype)
+    projection = LoraProjection(_base_weight(base), lora_a, lora_b, layer.scaling[name], base.bias)
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
     return projection, p

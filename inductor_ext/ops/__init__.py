@@ -23,6 +23,7 @@ from inductor_ext.ops.lora import (
     lora_qkv,
     lora_qkv_ref,
 )
+from inductor_ext.ops.nf4 import Nf4Weight, nf4_dequantize
 from inductor_ext.ops.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
@@ -42,3 +43,4 @@ __all__ += ["layer_norm", "layer_norm_ref"]
 __all__ += ["geglu", "geglu_packed", "geglu_ref", "swiglu", "swiglu_packed", "swiglu_ref"]
 __all__ += ["apply_rotary_pos_emb", "apply_rotary_pos_emb_", "apply_rotary_pos_emb_ref"]
 __all__ += ["LoraProjection", "lora_linear", "lora_linear_ref", "lora_mlp", "lora_mlp_ref", "lora_qkv", "lora_qkv_ref"]
+__all__ += ["Nf4Weight", "nf4_dequantize"]

@@ -133,8 +133,9 @@ def _fwd_groups(inputs: Sequence[Any], first: int, count: int) -> list[_Fwd]:
     return [_Fwd(*inputs[first + _FWD_ARGS * i : first + _FWD_ARGS * (i + 1)]) for i in range(count)]
 
 
-def _dropped(x: Tensor, mask: Tensor | None, p: float) -> Tensor:
-    """``x ⊙ m / (1 - p)``, rounded once to x's dtype; ``x`` itself without a mask."""
+def _dropped(x: Tensor, mask: Tensor | None, p: float, dtype: torch.dtype) -> Tensor:
+    """``x ⊙ m / (1 - p)`` in ``dtype`` (the adapters'), rounded once; ``x`` itself without a mask."""
+    x = x.to(dtype)
     return x if mask is None else x * mask * (1.0 / (1.0 - p))
 
 
@@ -143,8 +144,11 @@ def _project(x: Tensor, proj: _Fwd, p: float) -> tuple[Tensor, Tensor]:
     weight, quant, bias, lora_a, lora_b, scaling, mask = proj
     weight = dequantize(weight, quant, x.dtype)
     y = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-    xa = _dropped(x, mask, p) @ lora_a.t()
-    y.addmm_(xa, lora_b.t(), alpha=scaling)
+    xa = _dropped(x, mask, p, lora_a.dtype) @ lora_a.t()
+    if lora_b.dtype == y.dtype:
+        y.addmm_(xa, lora_b.t(), alpha=scaling)
+    else:  # float32 adapters over a 16-bit base: the low-rank term in float32, rounded once into y
+        y.add_((xa @ lora_b.t()).mul_(scaling))
     return y, xa
 
 
@@ -153,14 +157,19 @@ def _project_bwd(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(dx, dA, dB)`` of one projection; its ``dx`` terms added into ``dx`` in place when given."""
     weight, quant, lora_a, lora_b, xa, scaling, mask = proj
-    g = dy @ lora_b
-    dlora_b = (dy.t() @ xa).mul_(scaling)
-    dlora_a = (g.t() @ _dropped(x, mask, p)).mul_(scaling)
+    # float32 adapters: their gradients from float32 GEMMs, as PEFT's (xa is 16-bit if autocast was on)
+    dy_lora = dy.to(lora_b.dtype)
+    g = dy_lora @ lora_b
+    dlora_b = (dy_lora.t() @ xa.to(lora_b.dtype)).mul_(scaling)
+    del dy_lora
+    dlora_a = (g.t() @ _dropped(x, mask, p, lora_a.dtype)).mul_(scaling)
     if compute_dx:
         weight = dequantize(weight, quant, dy.dtype)  # a 4-bit base again: never saved dequantised
         dx = dy @ weight if dx is None else dx.addmm_(dy, weight)
-        if mask is None:
+        if mask is None and lora_a.dtype == dx.dtype:
             dx.addmm_(g, lora_a, alpha=scaling)
+        elif mask is None:
+            dx.add_((g @ lora_a).mul_(scaling))  # float32, rounded once into dx
         else:
             # the factor goes on the small (N, r) g, not in add_'s alpha: Inductor (torch 2.13, CPU) fuses
             # add(mm(a, b), c, alpha=k) into addmm(c, a, b) and drops k (a wrong compiled dx, seen here)
@@ -539,8 +548,9 @@ class LoraProjection(NamedTuple):
     NF4/FP4, double quantisation too) that dequantises to the input's dtype: the ops dequantise it
     for each GEMM that reads it, forward and backward, and keep only the 4-bit form between them;
     ``lora_a`` (r, in) and ``lora_b`` (out, r) the trainable adapters, in the input's dtype or
-    float32 (PEFT keeps adapters in float32 over a 16-bit base by default: they are cast to the
-    input's dtype for the GEMMs, as autocast would, and their gradients come back in float32).
+    float32 (PEFT keeps adapters in float32 over a 16-bit base by default: the low-rank GEMMs then
+    run in float32 as PEFT's layers run them, and the term is rounded once into the output; under
+    ``torch.autocast`` they run in the autocast dtype, as PEFT's do).
     From a PEFT ``lora.Linear`` ``m`` and adapter ``name``: ``LoraProjection(m.base_layer.weight,
     m.lora_A[name].weight, m.lora_B[name].weight, m.scaling[name], m.base_layer.bias)``.
     """
@@ -658,8 +668,8 @@ def _masks(
 
 
 def _fwd_args(proj: LoraProjection, x: Tensor, mask: Tensor | None) -> tuple[Any, ...]:
-    """A projection's forward op arguments, the adapters cast to x's dtype (float32 ones)."""
-    lora_a, lora_b = proj.lora_a.to(x.dtype), proj.lora_b.to(x.dtype)
+    """A projection's forward op arguments (the adapters as they are: x's dtype or float32)."""
+    lora_a, lora_b = proj.lora_a, proj.lora_b
     weight, quant = proj.weight.op_arguments() if isinstance(proj.weight, Nf4Weight) else (proj.weight, [])
     return weight, quant, proj.bias, lora_a, lora_b, float(proj.scaling), None if mask is None else rows_2d(mask)
 

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 from inductor_ext import models
 from inductor_ext.models import PatchWarning
+from inductor_ext.ops.lora import LoraProjection, lora_linear
 from tests.models.test_patch import COMMON, _batches, tiny_model, train_losses
 
 peft = pytest.importorskip("peft")
@@ -199,3 +200,31 @@ def test_unapply_restores_peft_forwards():
         for m in model.modules()
         for attribute in ("forward", "_fastops_adapter", "_fastops_lora_activation", "_fastops_mlp_fallback")
     )
+
+
+@pytest.mark.parametrize("lora_dtype", ["adapters", "input"])
+def test_lora_dtype_picks_the_low_rank_gemms_dtype_of_float32_adapters(lora_dtype):
+    """PEFT's default over a bf16 model: float32 adapters. ``"adapters"`` runs the low-rank GEMMs in
+    float32 (PEFT's numerics), ``"input"`` in bf16 (the adapters cast per call); gradients reach the
+    float32 adapters either way."""
+    model = peft.get_peft_model(tiny_model("llama").to(torch.bfloat16), peft.LoraConfig(r=4, target_modules=["o_proj"]))
+    layer = model.base_model.model.model.layers[0].self_attn.o_proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    torch.nn.init.normal_(b, std=0.02)
+    assert a.dtype == b.dtype == torch.float32
+    x = torch.randn(2, 5, COMMON["hidden_size"]).to(torch.bfloat16)
+    cast = lora_dtype == "input"
+    projection = LoraProjection(
+        layer.base_layer.weight, a.bfloat16() if cast else a, b.bfloat16() if cast else b, layer.scaling["default"]
+    )
+    expected = lora_linear(x, projection)
+    with models.patched(model, lora_dtype=lora_dtype):
+        y = layer(x)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        y.float().square().sum().backward()
+    assert a.grad is not None and a.grad.dtype == b.grad.dtype == torch.float32
+
+
+def test_bad_lora_dtype_is_named():
+    with pytest.raises(ValueError, match=r"lora_dtype must be one of \('adapters', 'input'\), got 'bf16'"):
+        models.apply(lora_model("llama"), lora_dtype="bf16")

@@ -226,18 +226,52 @@ def test_mlp_gelu_with_biases_matches_float64():
     _compare("mlp", ours, ref, 1, torch.float32, BATCH * SEQ)
 
 
-def test_float32_adapters_over_bf16_base_match_peft():
-    """PEFT's default (``autocast_adapter_dtype``) keeps adapters in float32 over a bf16 base: ours casts them
-    to bf16 for the GEMMs and returns float32 gradients."""
-    model = _peft(_Attention(), ["o_proj"], torch.bfloat16, 0.0)
-    layer = model.o_proj
-    layer.lora_A[ADAPTER].float()
-    layer.lora_B[ADAPTER].float()
+def _float32_adapters(layers: list[torch.nn.Module]) -> None:
+    for layer in layers:
+        layer.lora_A[ADAPTER].float()
+        layer.lora_B[ADAPTER].float()
+
+
+def _errors(results: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    return [rel_err(r, e) for r, e in zip(results, ref)]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_float32_adapters_over_bf16_base_are_as_close_to_float64_as_peft(dropout_p):
+    """PEFT's default (``autocast_adapter_dtype``) keeps adapters in float32 over a bf16 base and runs
+    the low-rank GEMMs in float32: ours too, so the adapters' gradients are float32-accurate (PEFT's
+    are), not bf16-rounded. Outputs and dx are bf16 either way."""
+    model = _peft(_Mlp("silu"), ["gate_proj", "up_proj", "down_proj"], torch.bfloat16, dropout_p)
+    layers = [model.gate_proj, model.up_proj, model.down_proj]
+    _float32_adapters(layers)
+    recorders = _record_dropout(layers, dropout_p) if dropout_p > 0 else []
+    params = _leaves(layers)
+    x = _x(torch.bfloat16)
+    peft = _outputs_and_grads(model, x, params)
+    kw = {"dropout_p": dropout_p, "dropout_masks": _recorded_masks(recorders)}
+    projs = [_projection(layer) for layer in layers]
+    ours, ref = _ours_and_float64(lora_mlp, lora_mlp_ref, projs, x, params, **kw)
+    assert [t.dtype for t in ours] == [torch.bfloat16] * 2 + [torch.float32] * 6
+    for i, (mine, theirs) in enumerate(zip(_errors(ours, ref), _errors(peft, ref))):
+        assert mine <= 1.5 * theirs + 1e-6, (i, mine, theirs)
+    # one projection, from the same bf16 inputs and cotangent: the adapters' gradients are PEFT's float32
+    # ones up to float32 rounding (bf16 GEMMs would be ~4e-3 from them)
+    layer = _peft(_Attention(), ["o_proj"], torch.bfloat16, 0.0).o_proj
+    _float32_adapters([layer])
+    params = _leaves([layer])
+    peft = _outputs_and_grads(layer, x, params)
+    ours = _outputs_and_grads(lambda x: lora_linear(x, _projection(layer)), x, params)
+    assert max(_errors(ours[2:], peft[2:])) < 1e-5
+
+
+def test_float32_adapters_under_autocast_run_in_bf16_as_peft_does():
+    layer = _peft(_Attention(), ["o_proj"], torch.bfloat16, 0.0).o_proj
+    _float32_adapters([layer])
     params = _leaves([layer])
     x = _x(torch.bfloat16)
-    peft = _outputs_and_grads(layer, x, params)
-    proj = _projection(layer)
-    ours, ref = _ours_and_float64(lora_linear, lora_linear_ref, [proj], x, params)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        peft = _outputs_and_grads(layer, x, params)
+        ours, ref = _ours_and_float64(lora_linear, lora_linear_ref, [_projection(layer)], x, params)
     assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
     _compare("linear", ours, ref, 1, torch.bfloat16, BATCH * SEQ, peft)
 
