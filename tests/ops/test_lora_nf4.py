@@ -180,9 +180,12 @@ def test_forward_keeps_the_4bit_weights_not_dequantised_copies():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def _qlora_module(module: torch.nn.Module, targets: list[str], dtype: torch.dtype) -> torch.nn.Module:
+def _qlora_module(
+    module: torch.nn.Module, targets: list[str], dtype: torch.dtype, adapter_dtype: torch.dtype | None = None,
+    rank: int = RANK,
+) -> torch.nn.Module:  # fmt: skip
     """``module``'s ``targets`` as bitsandbytes ``Linear4bit`` (NF4, double quantisation) wrapped by PEFT's
-    ``lora.bnb.Linear4bit`` (rank ``RANK``, scaling 2, adapters in ``dtype``, B random)."""
+    ``lora.bnb.Linear4bit`` (scaling 2, adapters in ``adapter_dtype``, default ``dtype``, B random)."""
     module = module.to(device=DEVICE, dtype=dtype)
     for name in targets:
         linear = getattr(module, name)
@@ -195,15 +198,15 @@ def _qlora_module(module: torch.nn.Module, targets: list[str], dtype: torch.dtyp
             quantized.bias = torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         setattr(module, name, quantized)
     module.is_loaded_in_4bit = True  # what PEFT reads to pick its bitsandbytes LoRA layers
-    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=targets)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
     module = peft.inject_adapter_in_model(config, module)
     for name in targets:
         layer = getattr(module, name)
         assert type(layer).__name__ == "Linear4bit" and type(layer).__module__ == "peft.tuners.lora.bnb", type(layer)
-        layer.lora_A[ADAPTER].to(dtype)
-        lora_b = layer.lora_B[ADAPTER].to(dtype).weight
+        layer.lora_A[ADAPTER].to(adapter_dtype or dtype)
+        lora_b = layer.lora_B[ADAPTER].to(adapter_dtype or dtype).weight
         with torch.no_grad():
-            lora_b.copy_(torch.randn_like(lora_b) / RANK**0.5)
+            lora_b.copy_(torch.randn_like(lora_b) / rank**0.5)
     return module
 
 

@@ -1,0 +1,135 @@
+"""Fused LoRA over 4-bit bases on CUDA at the Llama-3.1-8B shape (hidden 4096, intermediate 14336, 8 KV
+heads of 128, rank 16, 4096 tokens, bf16, float32 adapters as PEFT keeps them): the dequantisation
+kernel against bitsandbytes' CUDA one; outputs and adapter gradients as close to float64 (on the
+dequantised weights) as PEFT's ``lora.bnb.Linear4bit`` layers are, eager and compiled; what a forward
+keeps for the backward; peak memory against PEFT + bitsandbytes; the MLP under ``fastops_inductor``."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from inductor_ext.ops.lora import lora_mlp, lora_mlp_ref, lora_qkv, lora_qkv_ref
+from inductor_ext.ops.nf4 import Nf4Weight, _dequantize_kernel, nf4_dequantize
+from tests.ops.test_lora import _Attention, _leaves, _Mlp, _outputs_and_grads
+from tests.ops.test_lora_nf4 import _float64, _qlora_module, _qlora_projection, _quantized
+from tests.tolerances import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+bnb = pytest.importorskip("bitsandbytes")
+
+HIDDEN, KV, INTERMEDIATE, RANK, TOKENS = 4096, 1024, 14336, 16, 4096
+DTYPE = torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax_fp32", "double_quant"])
+def test_dequantize_kernel_matches_bitsandbytes_cuda(nested, dtype):
+    param = _quantized(torch.randn(INTERMEDIATE, HIDDEN, device="cuda").to(dtype), nested=nested)
+    expected = bnb.functional.dequantize_4bit(param.data, param.quant_state)
+    packed, quant = Nf4Weight.from_bnb(param).op_arguments()
+    ours = _dequantize_kernel(packed, quant, dtype)
+    # the scales' product and offset may be one fused multiply-add here, two roundings there
+    ulp = torch.finfo(dtype).eps * expected.float().abs()
+    assert ((ours.float() - expected.float()).abs() <= ulp).all()
+    assert (ours == expected).float().mean() > 0.999
+
+
+def _qlora_llama(module: str) -> torch.nn.Module:
+    layers = _Attention(HIDDEN, KV, qkv_bias=False) if module == "attention" else _Mlp("silu", HIDDEN, INTERMEDIATE)
+    targets = ["q_proj", "k_proj", "v_proj"] if module == "attention" else ["gate_proj", "up_proj", "down_proj"]
+    return _qlora_module(layers, targets, DTYPE, adapter_dtype=torch.float32, rank=RANK)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(TOKENS, HIDDEN, device="cuda").to(DTYPE)
+
+
+def _assert_as_close_as_peft(name: str, ours, peft_eager, peft_compiled, ref) -> None:
+    """Each output and gradient of ours within 1.5× the larger float64 error of PEFT eager and compiled."""
+    for i, (o, e, c, r) in enumerate(zip(ours, peft_eager, peft_compiled, ref)):
+        assert o.dtype == e.dtype and torch.isfinite(o).all(), (name, i)
+        noise = max(rel_err(e, r), rel_err(c, r))
+        assert rel_err(o, r) <= 1.5 * noise + 1e-6, (name, i, rel_err(o, r), noise)
+
+
+@pytest.mark.parametrize("module", ["attention", "mlp"])
+def test_matches_float64_as_closely_as_peft_over_bitsandbytes(module):
+    model = _qlora_llama(module)
+    names = ["q_proj", "k_proj", "v_proj"] if module == "attention" else ["gate_proj", "up_proj", "down_proj"]
+    layers = [getattr(model, n) for n in names]
+    params = _leaves(layers)
+    x = _x()
+
+    def peft_forward(x):
+        return tuple(layer(x) for layer in layers) if module == "attention" else model(x)
+
+    peft_eager = _outputs_and_grads(peft_forward, x, params)
+    torch._dynamo.reset()
+    peft_compiled = _outputs_and_grads(torch.compile(peft_forward), x, params)
+    projs = [_qlora_projection(layer) for layer in layers]
+    fused, ref = (lora_qkv, lora_qkv_ref) if module == "attention" else (lora_mlp, lora_mlp_ref)
+    ours = _outputs_and_grads(lambda x: fused(x, *projs), x, params)
+    projs64 = [_float64(p) for p in projs]
+    reference = _outputs_and_grads(
+        lambda x: ref(x, *projs64), x.double(), [t for p in projs64 for t in (p.lora_a, p.lora_b)]
+    )
+    _assert_as_close_as_peft(module, ours, peft_eager, peft_compiled, reference)
+
+
+def test_mlp_forward_keeps_the_4bit_weights_and_activations_only():
+    """Beside its output, a forward keeps ``G`` and ``U`` (``2 N I`` bf16) and the three ``(N, r)``
+    float32 products: no dequantised weight (each is ``H I`` bf16, 112 MiB)."""
+    model = _qlora_llama("mlp")
+    projs = [_qlora_projection(layer) for layer in (model.gate_proj, model.up_proj, model.down_proj)]
+    x = _x().requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = lora_mlp(x, *projs)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    expected = 2 * TOKENS * INTERMEDIATE * 2 + 3 * TOKENS * RANK * 4
+    assert expected <= kept <= expected + 2**20, (kept, expected)
+    y.sum().backward()
+
+
+def test_mlp_peak_memory_is_below_peft_over_bitsandbytes():
+    model = _qlora_llama("mlp")
+    layers = [model.gate_proj, model.up_proj, model.down_proj]
+    projs = [_qlora_projection(layer) for layer in layers]
+    x = _x().requires_grad_()
+
+    def peak(f) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        f(x).float().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    ours, theirs = peak(lambda x: lora_mlp(x, *projs)), peak(model)
+    assert ours < theirs, (ours / 2**20, theirs / 2**20)
+
+
+def test_mlp_under_fastops_inductor_matches_eager():
+    torch._dynamo.reset()
+    counters.clear()
+    model = _qlora_llama("mlp")
+    layers = [model.gate_proj, model.up_proj, model.down_proj]
+    projs = [_qlora_projection(layer) for layer in layers]
+    params = _leaves(layers)
+    x = _x()
+
+    def block(x):
+        return lora_mlp(x, *projs)
+
+    eager = _outputs_and_grads(block, x, params)
+    compiled = _outputs_and_grads(torch.compile(block, backend="fastops_inductor", fullgraph=True), x, params)
+    assert not counters["graph_break"]
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
+    # the compiled dequantisation is Inductor's code from the aten math: the kernel's, up to where a
+    # multiply-add is fused
+    weight = projs[0].weight
+    compiled_weight, kernel_weight = torch.compile(nf4_dequantize)(weight), nf4_dequantize(weight)
+    ulp = torch.finfo(DTYPE).eps * kernel_weight.float().abs()
+    assert ((compiled_weight.float() - kernel_weight.float()).abs() <= ulp).all()
