@@ -16,6 +16,9 @@ weights are random). Prefill time is one ``generate`` of a single token; decode 
 (``generate`` of ``--new`` + 1 tokens minus that) / ``--new``, medians over ``--repeats`` runs after a
 warm-up; the C++ loop reports its own. The floor of a decode step is the bytes it must read, the
 weights plus the filled part of the KV cache, over the copy bandwidth measured in the same process.
+On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
+per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
+launch and host gaps (wall time above GPU time) from slow kernels.
 Writes ``generate_<model>.json`` and a plot to ``--out``.
 """
 
@@ -31,7 +34,13 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import copy_bandwidth_gbps, print_child_result, run_child
+from inductor_ext.bench.harness import (
+    copy_bandwidth_gbps,
+    kernel_us,
+    kernel_us_by_class,
+    print_child_result,
+    run_child,
+)
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
@@ -73,6 +82,17 @@ def _hf_generate(model: Any, provider: str) -> Callable[[torch.Tensor, int], Any
                                   disable_compile=provider == "hf_eager")  # fmt: skip
 
     return generate
+
+
+def decode_profile(generate: Callable[[torch.Tensor, int], Any], prompt: torch.Tensor, new: int) -> dict[str, Any]:
+    """GPU µs per decode token: in total, per kernel class, and the 12 costliest kernels (a profiled
+    ``generate`` of ``new + 1`` tokens less one of a single token, the prefill)."""
+    whole = kernel_us(functools.partial(generate, prompt, new + 1), steps=1)
+    prefill = kernel_us(functools.partial(generate, prompt, 1), steps=1)
+    per_token = {name: (us - prefill.get(name, 0.0)) / new for name, us in whole.items()}
+    top = sorted(per_token.items(), key=lambda item: -item[1])[:12]
+    return {"gpu_us_per_token": sum(per_token.values()), "by_class_us": kernel_us_by_class(per_token),
+            "top_kernels_us": [[name[:120], round(us, 2)] for name, us in top]}  # fmt: skip
 
 
 def run_provider(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,6 +140,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
                                         "floor_ms": floor_ms,
                                         "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
+            if device == "cuda" and provider != "package_cpp" and batch == args.batches[0]:
+                result[f"batch_{batch}"]["profile"] = decode_profile(generate, prompt, args.new)
     return result
 
 

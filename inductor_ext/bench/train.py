@@ -318,8 +318,10 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     if provider in LORA_PROVIDERS or provider in QLORA_PROVIDERS:
         model = add_lora(model)  # over a quantised base, PEFT's lora.Linear4bit layers
     if provider.startswith(("lora_fused_", "qlora_fused_")):
-        lora_dtype = "input" if provider.endswith("_input_dtype") else "adapters"
-        models.apply(model, loss_chunk_size=args.loss_chunk_size, lora_dtype=lora_dtype)
+        models.apply(
+            model, loss_chunk_size=args.loss_chunk_size,
+            lora_dtype="input" if provider.endswith("_input_dtype") else "adapters",
+        )  # fmt: skip
     if args.gradient_checkpointing:
         enable_checkpointing(model)
     if ranks > 1:
