@@ -60,11 +60,10 @@ def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
         return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
                 "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
 
-    rows = train.summarize(
-        {"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": result(125.0, 3.25)}
-    )
-    assert [(r["provider"], r["x torch.compile"], r["- hf_eager"]) for r in rows] == [
-        ("hf_eager", 0.5, 0.0), ("torch_compile", 1.0, 0.5), ("ours", 1.25, 0.25)
+    ours = {**result(125.0, 3.25), "graph_breaks": {"a reason": 2, "another": 1}}
+    rows = train.summarize({"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": ours})
+    assert [(r["provider"], r["x torch.compile"], r["- hf_eager"], r["graph breaks"]) for r in rows] == [
+        ("hf_eager", 0.5, 0.0, 0), ("torch_compile", 1.0, 0.5, 0), ("ours", 1.25, 0.25, 3)
     ]  # fmt: skip
 
 

@@ -12,9 +12,11 @@ Providers:
   (on CPU: without).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
-weights are random). Prefill time is one ``generate`` of a single token; decode time per token is
-(``generate`` of ``--new`` + 1 tokens minus that) / ``--new``, medians over ``--repeats`` runs after a
-warm-up; the C++ loop reports its own. The floor of a decode step is the bytes it must read, the
+weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
+hands it each token on the CPU, as to any streamer: a host sync per token, for every Python-loop
+provider alike): prefill time is the time to the first token, decode time per token the time from
+the first token to the last over ``--new``; medians over ``--repeats`` calls after a warm-up. The C++
+loop reports its own. The floor of a decode step is the bytes it must read, the
 weights plus the filled part of the KV cache, over the copy bandwidth measured in the same process.
 On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
 per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
@@ -52,18 +54,34 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_ms(run: Callable[[], Any], device: str, repeats: int) -> float:
-    times = []
+class _Clock:
+    """A ``generate`` streamer that notes when each ``put`` (the prompt, then every new token) arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _prefill_and_decode_ms(generate: Callable[..., Any], prompt: torch.Tensor, new: int, device: str,
+                           repeats: int) -> tuple[float, float]:  # fmt: skip
+    """Medians over ``repeats`` calls generating ``new + 1`` tokens: ms to the first token, and ms per token after it."""
+    prefill, decode = [], []
     for _ in range(repeats):
         _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        clock, start = _Clock(), time.perf_counter()
+        generate(prompt, new + 1, streamer=clock)
+        first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt, handed over before the prefill
+        prefill.append((first - start) * 1e3)
+        decode.append((last - first) * 1e3 / new)
+    return statistics.median(prefill), statistics.median(decode)
 
 
-def _hf_generate(model: Any, provider: str) -> Callable[[torch.Tensor, int], Any]:
+def _hf_generate(model: Any, provider: str) -> Callable[..., Any]:
     """transformers' static-cache ``generate`` as ``provider`` runs it."""
     from transformers import CompileConfig
 
@@ -75,16 +93,16 @@ def _hf_generate(model: Any, provider: str) -> Callable[[torch.Tensor, int], Any
         config._compile_all_devices = True  # type: ignore[assignment]  # compiles on CPU too (a smoke run)
         model.generation_config.compile_config = config
 
-    def generate(ids: torch.Tensor, new: int) -> Any:
+    def generate(ids: torch.Tensor, new: int, streamer: Any = None) -> Any:
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, cache_implementation="static",
+                                  do_sample=False, cache_implementation="static", streamer=streamer,
                                   disable_compile=provider == "hf_eager")  # fmt: skip
 
     return generate
 
 
-def decode_profile(generate: Callable[[torch.Tensor, int], Any], prompt: torch.Tensor, new: int) -> dict[str, Any]:
+def decode_profile(generate: Callable[..., Any], prompt: torch.Tensor, new: int) -> dict[str, Any]:
     """GPU µs per decode token: in total, per kernel class, and the 12 costliest kernels (a profiled
     ``generate`` of ``new + 1`` tokens less one of a single token, the prefill)."""
     whole = kernel_us(functools.partial(generate, prompt, new + 1), steps=1)
@@ -114,7 +132,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq)  # fmt: skip
             result["export_s"] = time.perf_counter() - start
-            generate: Callable[[torch.Tensor, int], Any] = load_generation(path).generate
+            generate: Callable[..., Any] = load_generation(path).generate
         else:
             generate = _hf_generate(model, provider)
         for batch in args.batches:
@@ -128,9 +146,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 prompt = ids.to(device)
                 generate(prompt, args.new + 1)  # warm-up (and compiles)
-                prefill_ms = _median_ms(functools.partial(generate, prompt, 1), device, args.repeats)
-                whole = _median_ms(functools.partial(generate, prompt, args.new + 1), device, args.repeats)
-                decode_ms = (whole - prefill_ms) / args.new
+                prefill_ms, decode_ms = _prefill_and_decode_ms(generate, prompt, args.new, device, args.repeats)
             config: Any = model.config
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

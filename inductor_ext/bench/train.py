@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from inductor_ext.bench import fsdp, packing
 from inductor_ext.bench.harness import (
@@ -404,6 +405,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
+        # Dynamo's graph breaks over the whole run, by reason (none for eager providers)
+        "graph_breaks": {str(reason): count for reason, count in counters["graph_break"].items()},
         **documents,
     }
     if documents:  # every position the model ran, padding included
@@ -583,6 +586,7 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["wall - GPU ms"] = round(r["step_ms_median"] - r["gpu_ms_total"], 1) if r["gpu_ms_total"] else None
         row["tune s"] = round(r["tune_s"], 1) if r.get("tune_s") is not None else None
         row["SM MHz"] = round(r["timed_steps_gpu"]["sm_clock_mhz"]) if r.get("timed_steps_gpu") else None
+        row["graph breaks"] = sum(r.get("graph_breaks", {}).values())  # absent in files written before it
         rows.append(row)
     return rows
 

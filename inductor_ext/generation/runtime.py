@@ -10,6 +10,7 @@ in transformers' order: with the same ``torch.manual_seed`` and the same logits,
 """
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -77,18 +78,23 @@ class GenerationPackage:
         top_k: int | None = 50,
         pad_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
+        streamer: Any = None,
     ) -> Tensor:
         """The prompt and its continuation, ``(batch, prompt + generated)``, as ``generate`` returns them.
 
         The sampling defaults are transformers' ``GenerationConfig`` defaults (temperature 1, top-k 50);
         ``top_k=None`` samples from the whole vocabulary. ``pad_token_id`` (written after a row's end)
         defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it;
-        ``eos_token_id`` replaces the model's end-of-sequence tokens."""
+        ``eos_token_id`` replaces the model's end-of-sequence tokens. ``streamer`` (e.g. transformers'
+        ``TextStreamer``) gets what ``generate`` gives it: ``put`` of the prompt, then of each new token
+        (on the CPU: a host sync per token), and ``end``."""
         self._check(input_ids, attention_mask, max_new_tokens)
         if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
             raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
         batch, length = input_ids.shape
         input_ids = input_ids.to(self.device)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device, torch.long)
         slots, cache = self._slots[:batch], layer_caches(self.kv_cache, batch)
         slots.zero_()
@@ -107,6 +113,8 @@ class GenerationPackage:
             if pad is not None:
                 token = torch.where(unfinished, token, pad)
             generated.append(token)
+            if streamer is not None:
+                streamer.put(token.cpu())
             if index + 1 == max_new_tokens:
                 break
             if eos.numel():  # a host sync per token, only where a row can end early
@@ -117,6 +125,8 @@ class GenerationPackage:
             slots[:, slot] = 1
             logits = self.step(token[:, None], next_position, self._cache_positions[slot : slot + 1], slots, cache)
             next_position = next_position + 1
+        if streamer is not None:
+            streamer.end()
         return torch.cat([input_ids, torch.stack(generated, dim=1)], dim=1)
 
     @staticmethod

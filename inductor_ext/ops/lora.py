@@ -144,11 +144,9 @@ def _project(x: Tensor, proj: _Fwd, p: float) -> tuple[Tensor, Tensor]:
     weight, quant, bias, lora_a, lora_b, scaling, mask = proj
     weight = dequantize(weight, quant, x.dtype)
     y = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-    xa = _dropped(x, mask, p, lora_a.dtype) @ lora_a.t()
-    if lora_b.dtype == y.dtype:
-        y.addmm_(xa, lora_b.t(), alpha=scaling)
-    else:  # float32 adapters over a 16-bit base: the low-rank term in float32, rounded once into y
-        y.add_((xa @ lora_b.t()).mul_(scaling))
+    xa = _dropped(x, mask, p, lora_a.dtype) @ lora_a.t()  # float32 adapters: float32, kept for dB
+    # the (N, out) term in y's dtype, from the rank-r factors cast to it: one GEMM accumulating into y
+    y.addmm_(xa.to(y.dtype), lora_b.t().to(y.dtype), alpha=scaling)
     return y, xa
 
 
@@ -166,14 +164,13 @@ def _project_bwd(
     if compute_dx:
         weight = dequantize(weight, quant, dy.dtype)  # a 4-bit base again: never saved dequantised
         dx = dy @ weight if dx is None else dx.addmm_(dy, weight)
-        if mask is None and lora_a.dtype == dx.dtype:
-            dx.addmm_(g, lora_a, alpha=scaling)
-        elif mask is None:
-            dx.add_((g @ lora_a).mul_(scaling))  # float32, rounded once into dx
+        lora_a = lora_a.to(dx.dtype)  # the (N, in) term in dx's dtype, as the forward's (N, out) one
+        if mask is None:
+            dx.addmm_(g.to(dx.dtype), lora_a, alpha=scaling)
         else:
             # the factor goes on the small (N, r) g, not in add_'s alpha: Inductor (torch 2.13, CPU) fuses
             # add(mm(a, b), c, alpha=k) into addmm(c, a, b) and drops k (a wrong compiled dx, seen here)
-            dx.add_((g.mul(scaling / (1.0 - p)) @ lora_a).mul_(mask))
+            dx.add_((g.mul(scaling / (1.0 - p)).to(dx.dtype) @ lora_a).mul_(mask))
     return dx, dlora_a, dlora_b
 
 
@@ -548,9 +545,11 @@ class LoraProjection(NamedTuple):
     NF4/FP4, double quantisation too) that dequantises to the input's dtype: the ops dequantise it
     for each GEMM that reads it, forward and backward, and keep only the 4-bit form between them;
     ``lora_a`` (r, in) and ``lora_b`` (out, r) the trainable adapters, in the input's dtype or
-    float32 (PEFT keeps adapters in float32 over a 16-bit base by default: the low-rank GEMMs then
-    run in float32 as PEFT's layers run them, and the term is rounded once into the output; under
-    ``torch.autocast`` they run in the autocast dtype, as PEFT's do).
+    float32 (PEFT keeps adapters in float32 over a 16-bit base by default: the rank-r products
+    ``x Aᵀ`` and ``dy B`` and the adapters' gradients are then float32 GEMMs, as in PEFT's layers;
+    the ``(N, out)`` and ``(N, in)`` terms go into the 16-bit ``y`` and ``dx`` by 16-bit GEMMs of
+    the rank-r factors, where PEFT rounds its float32 term to 16 bits before adding it; under
+    ``torch.autocast`` everything runs in the autocast dtype, as PEFT's layers do).
     From a PEFT ``lora.Linear`` ``m`` and adapter ``name``: ``LoraProjection(m.base_layer.weight,
     m.lora_A[name].weight, m.lora_B[name].weight, m.scaling[name], m.base_layer.bias)``.
     """

@@ -75,6 +75,34 @@ def test_rows_stop_at_end_of_sequence_as_hf(model, package):
     assert (ours[0, 8 + 3 :] == PAD).all()
 
 
+class _Recorder:
+    """A streamer keeping what ``generate`` hands it."""
+
+    def __init__(self) -> None:
+        self.puts: list[torch.Tensor] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value)
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_a_streamer_gets_what_hf_generate_gives_it(model, package):
+    """The prompt, then each new token (rows ending early padded), then ``end``: as HF's ``generate``."""
+    ids = _prompt(model, 2, 5, seed=5)
+    ours, theirs = _Recorder(), _Recorder()
+    free = package.generate(ids, 6, pad_token_id=PAD)
+    eos = int(free[0, 5 + 1])
+    package.generate(ids, 6, pad_token_id=PAD, eos_token_id=eos, streamer=ours)
+    _hf(model, ids, 6, do_sample=False, eos_token_id=eos, streamer=theirs)
+    assert len(ours.puts) == len(theirs.puts) > 2 and ours.ended == theirs.ended == 1
+    for mine, hf in zip(ours.puts, theirs.puts):
+        assert mine.device.type == "cpu"
+        torch.testing.assert_close(mine, hf, rtol=0, atol=0)
+
+
 def test_step_matches_the_model_and_writes_the_cache(model):
     """The exported module itself, eager: prefill logits are the model's, and the cache holds exactly
     the prompt's keys and values in its first slots."""

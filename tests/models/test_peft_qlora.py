@@ -73,6 +73,7 @@ def test_every_4bit_lora_layer_runs_fused_with_peft_loss_and_gradients(checkpoin
     assert list(grads) == list(expected) and len(grads) == 2 * 7 * LAYERS
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    models.unapply(model)  # the RoPE patch is process-wide while a patched model holds it
 
 
 def test_state_dict_saved_adapters_and_merge_are_untouched(checkpoint, tmp_path):
@@ -98,11 +99,11 @@ def test_state_dict_saved_adapters_and_merge_are_untouched(checkpoint, tmp_path)
 def test_patched_qlora_step_compiles_whole_under_fastops_inductor(checkpoint, fresh_dynamo):
     model = qlora_model(checkpoint)
     reference = copy.deepcopy(model)
-    models.apply(model)
     ids = _batches(1)[0]
-    compiled = torch.compile(model, backend="fastops_inductor", fullgraph=True)
-    loss = compiled(input_ids=ids, labels=ids).loss
-    loss.backward()
+    with models.patched(model):
+        compiled = torch.compile(model, backend="fastops_inductor", fullgraph=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
     assert not counters["graph_break"]
     expected = reference(input_ids=ids, labels=ids).loss
     expected.backward()
@@ -119,6 +120,7 @@ def test_a_base_in_another_compute_dtype_runs_peft(checkpoint):
     layer = model.base_model.model.model.layers[0].self_attn.o_proj
     layer.base_layer.compute_dtype = torch.bfloat16
     reference = copy.deepcopy(model)
-    models.apply(model)
     x = torch.randn(3, COMMON["hidden_size"])
-    torch.testing.assert_close(layer(x), reference.base_model.model.model.layers[0].self_attn.o_proj(x))
+    with models.patched(model) as report:
+        assert "model.layers.0.self_attn.o_proj" in report.lora
+        torch.testing.assert_close(layer(x), reference.base_model.model.model.layers[0].self_attn.o_proj(x))

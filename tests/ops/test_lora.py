@@ -252,8 +252,10 @@ def test_float32_adapters_over_bf16_base_are_as_close_to_float64_as_peft(dropout
     projs = [_projection(layer) for layer in layers]
     ours, ref = _ours_and_float64(lora_mlp, lora_mlp_ref, projs, x, params, **kw)
     assert [t.dtype for t in ours] == [torch.bfloat16] * 2 + [torch.float32] * 6
+    # the GLU kernel's bf16 stores truncate under the interpreter (tests/tolerances.py): twice the rounding
+    factor = 2.0 if DEVICE == "cpu" else 1.5
     for i, (mine, theirs) in enumerate(zip(_errors(ours, ref), _errors(peft, ref))):
-        assert mine <= 1.5 * theirs + 1e-6, (i, mine, theirs)
+        assert mine <= factor * theirs + 1e-6, (i, mine, theirs)
     # one projection, from the same bf16 inputs and cotangent: the adapters' gradients are PEFT's float32
     # ones up to float32 rounding (bf16 GEMMs would be ~4e-3 from them)
     layer = _peft(_Attention(), ["o_proj"], torch.bfloat16, 0.0).o_proj
