@@ -25,10 +25,12 @@ def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem
 
 @pytest.mark.slow
 def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
-    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "patched_eager")
-    assert list(results) == ["hf_eager", "fastops_inductor", "patched_eager"]
+    # (the patched model's providers run in test_loss_chunk_size_reaches_the_patched_loss and the --lora,
+    # --qlora and --cpp-wrapper tests)
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor")
+    assert list(results) == ["hf_eager", "fastops_inductor"]
     eager = results["hf_eager"]
-    for ours in (results["fastops_inductor"], results["patched_eager"]):
+    for ours in (results["fastops_inductor"],):
         assert len(eager["losses"]) == len(ours["losses"]) == 3  # the first step, then 2 timed ones
         # same weights and batches in separate processes: the losses agree to bf16 rounding, step after step
         for a, b in zip(eager["losses"], ours["losses"]):
