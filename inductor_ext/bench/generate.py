@@ -10,6 +10,9 @@ Providers:
 - ``package_python``: :func:`inductor_ext.export_generation` + ``load_generation(...).generate``.
 - ``package_cpp``: the same package run by ``aoti_generate`` with a CUDA graph around the decode step
   (on CPU: without).
+- ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
+  constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
+  into one GEMM, and gate/up into one, over concatenated weights).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -46,7 +49,7 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_cpp")  # fmt: skip
+             "package_cpp", "package_cpp_frozen")  # fmt: skip
 
 
 def _sync(device: str) -> None:
@@ -129,15 +132,16 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             from inductor_ext.generation import export_generation, load_generation
 
             start = time.perf_counter()
+            options = {"freezing": True} if provider.endswith("_frozen") else None
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
-                                     max_seq_len=max_seq)  # fmt: skip
+                                     max_seq_len=max_seq, options=options)  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate
         else:
             generate = _hf_generate(model, provider)
         for batch in args.batches:
             ids = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
-            if provider == "package_cpp":
+            if provider.startswith("package_cpp"):
                 from inductor_ext.cpp_runner import run_generate
 
                 ran = run_generate(path, ids, args.new, device=device, cuda_graph=device == "cuda",
@@ -156,7 +160,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
                                         "floor_ms": floor_ms,
                                         "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
-            if device == "cuda" and provider != "package_cpp" and batch == args.batches[0]:
+            if device == "cuda" and not provider.startswith("package_cpp") and batch == args.batches[0]:
                 result[f"batch_{batch}"]["profile"] = decode_profile(generate, prompt, args.new)
     return result
 
