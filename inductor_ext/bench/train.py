@@ -229,10 +229,14 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of each decoder layer of ``model`` (a PEFT model's too).
-    transformers 5.24 also makes the embeddings' output require grad there (``enable_input_require_grads``),
-    which a frozen base under reentrant checkpointing needs and non-reentrant checkpointing does not:
-    the adapters get their gradients either way."""
+    """Non-reentrant activation checkpointing of each decoder layer of ``model`` (a PEFT model's too), set
+    up so that ``torch.compile`` traces the step whole, for every provider alike.
+
+    transformers also makes the embeddings' output require grad (``enable_input_require_grads``), which
+    a frozen base under reentrant checkpointing needs and non-reentrant checkpointing does not (the
+    adapters get their gradients either way): the hook's ``requires_grad_()`` breaks Dynamo's graph, so
+    it is removed. ``use_cache`` is turned off, as trainers do under checkpointing: transformers warns on
+    every call otherwise, and the warning is a graph break too."""
     hf_model: Any = model
     if hasattr(hf_model, "get_base_model"):  # PEFT's wrapper
         hf_model = hf_model.get_base_model()
@@ -241,6 +245,9 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(hf_model, "_require_grads_hook", None) is not None:
+        hf_model.disable_input_require_grads()
+    hf_model.config.use_cache = False
 
 
 def make_step(

@@ -10,8 +10,9 @@ from torch._dynamo.utils import counters
 
 from inductor_ext.ops.lora import lora_mlp, lora_mlp_ref, lora_qkv, lora_qkv_ref
 from inductor_ext.ops.nf4 import Nf4Weight, _dequantize_kernel, nf4_dequantize
+from tests.gpu.test_lora_gpu import _assert_as_close_as_peft
 from tests.ops.test_lora import _Attention, _leaves, _Mlp, _outputs_and_grads
-from tests.ops.test_lora_nf4 import _float64, _qlora_module, _qlora_projection, _quantized
+from tests.ops.test_lora_nf4 import _qlora_module, _qlora_projection, _quantized, ours_peft_and_float64
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -44,35 +45,18 @@ def _x() -> torch.Tensor:
     return torch.randn(TOKENS, HIDDEN, device="cuda").to(DTYPE)
 
 
-def _assert_as_close_as_peft(name: str, ours, peft_eager, peft_compiled, ref) -> None:
-    """Each output and gradient of ours within 1.5× the larger float64 error of PEFT eager and compiled."""
-    for i, (o, e, c, r) in enumerate(zip(ours, peft_eager, peft_compiled, ref)):
-        assert o.dtype == e.dtype and torch.isfinite(o).all(), (name, i)
-        noise = max(rel_err(e, r), rel_err(c, r))
-        assert rel_err(o, r) <= 1.5 * noise + 1e-6, (name, i, rel_err(o, r), noise)
-
-
 @pytest.mark.parametrize("module", ["attention", "mlp"])
 def test_matches_float64_as_closely_as_peft_over_bitsandbytes(module):
     model = _qlora_llama(module)
-    names = ["q_proj", "k_proj", "v_proj"] if module == "attention" else ["gate_proj", "up_proj", "down_proj"]
-    layers = [getattr(model, n) for n in names]
-    params = _leaves(layers)
+    attention = module == "attention"
+    names = ["q_proj", "k_proj", "v_proj"] if attention else ["gate_proj", "up_proj", "down_proj"]
+    fused, ref = (lora_qkv, lora_qkv_ref) if attention else (lora_mlp, lora_mlp_ref)
     x = _x()
-
-    def peft_forward(x):
-        return tuple(layer(x) for layer in layers) if module == "attention" else model(x)
-
-    peft_eager = _outputs_and_grads(peft_forward, x, params)
+    ours, peft_eager, reference = ours_peft_and_float64(model, names, x, fused, ref)
+    layers = [getattr(model, name) for name in names]
     torch._dynamo.reset()
-    peft_compiled = _outputs_and_grads(torch.compile(peft_forward), x, params)
-    projs = [_qlora_projection(layer) for layer in layers]
-    fused, ref = (lora_qkv, lora_qkv_ref) if module == "attention" else (lora_mlp, lora_mlp_ref)
-    ours = _outputs_and_grads(lambda x: fused(x, *projs), x, params)
-    projs64 = [_float64(p) for p in projs]
-    reference = _outputs_and_grads(
-        lambda x: ref(x, *projs64), x.double(), [t for p in projs64 for t in (p.lora_a, p.lora_b)]
-    )
+    compiled = torch.compile(model if not attention else (lambda x: tuple(layer(x) for layer in layers)))
+    peft_compiled = _outputs_and_grads(compiled, x, _leaves(layers))
     _assert_as_close_as_peft(module, ours, peft_eager, peft_compiled, reference)
 
 

@@ -218,31 +218,33 @@ def _qlora_projection(layer: torch.nn.Module) -> LoraProjection:
     )  # fmt: skip
 
 
+def ours_peft_and_float64(module: torch.nn.Module, names: list[str], x: torch.Tensor, fused, ref) -> tuple:
+    """Outputs and gradients (``x``'s, the adapters') of PEFT's 4-bit layers ``names`` of ``module`` (the
+    module itself for an MLP, the layers one by one for q/k/v), of ``fused`` on the same weights, and of
+    ``ref`` in float64 on the dequantised weights."""
+    layers = [getattr(module, name) for name in names]
+    params = _leaves(layers)
+    mlp = fused is lora_mlp
+    peft_out = _outputs_and_grads(module if mlp else (lambda x: tuple(layer(x) for layer in layers)), x, params)
+    projs = [_qlora_projection(layer) for layer in layers]
+    ours = _outputs_and_grads(lambda x: fused(x, *projs), x, params)
+    projs64 = [_float64(p) for p in projs]
+    params64 = [t for p in projs64 for t in (p.lora_a, p.lora_b)]
+    return ours, peft_out, _outputs_and_grads(lambda x: ref(x, *projs64), x.double(), params64)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_qkv_and_mlp_match_peft_over_bitsandbytes_and_float64(dtype):
     # whole blocks of 64 per row: bitsandbytes' CPU dequantisation is right there only (see above)
     hidden, kv, intermediate = 128, 64, 192
-    attention = _qlora_module(_Attention(hidden, kv), ["q_proj", "k_proj", "v_proj"], dtype)
-    layers = [attention.q_proj, attention.k_proj, attention.v_proj]
     x = _x(dtype, hidden)
-    params = _leaves(layers)
-    peft_out = _outputs_and_grads(lambda x: tuple(layer(x) for layer in layers), x, params)
-    projs = [_qlora_projection(layer) for layer in layers]
-    ours = _outputs_and_grads(lambda x: lora_qkv(x, *projs), x, params)
-    projs64 = [_float64(p) for p in projs]
-    reference = _outputs_and_grads(lambda x: lora_qkv_ref(x, *projs64), x.double(),
-                                   [t for p in projs64 for t in (p.lora_a, p.lora_b)])  # fmt: skip
+    names = ["q_proj", "k_proj", "v_proj"]
+    attention = _qlora_module(_Attention(hidden, kv), names, dtype)
+    ours, peft_out, reference = ours_peft_and_float64(attention, names, x, lora_qkv, lora_qkv_ref)
     _compare("qkv", ours, reference, 3, dtype, BATCH * SEQ, peft_out)
-
-    mlp = _qlora_module(_Mlp("silu", hidden, intermediate), ["gate_proj", "up_proj", "down_proj"], dtype)
-    layers = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    params = _leaves(layers)
-    peft_out = _outputs_and_grads(mlp, x, params)
-    projs = [_qlora_projection(layer) for layer in layers]
-    ours = _outputs_and_grads(lambda x: lora_mlp(x, *projs), x, params)
-    projs64 = [_float64(p) for p in projs]
-    reference = _outputs_and_grads(lambda x: lora_mlp_ref(x, *projs64), x.double(),
-                                   [t for p in projs64 for t in (p.lora_a, p.lora_b)])  # fmt: skip
+    names = ["gate_proj", "up_proj", "down_proj"]
+    mlp = _qlora_module(_Mlp("silu", hidden, intermediate), names, dtype)
+    ours, peft_out, reference = ours_peft_and_float64(mlp, names, x, lora_mlp, lora_mlp_ref)
     _compare("mlp", ours, reference, 1, dtype, BATCH * SEQ, peft_out)
 
 
