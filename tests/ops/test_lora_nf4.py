@@ -5,6 +5,11 @@ the fused ops on 4-bit bases against float64 on the dequantised weights and agai
 ``lora.bnb.Linear4bit`` layers; what the forward keeps for the backward (the 4-bit form only);
 opcheck, torch.compile, and bad input."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,6 +93,38 @@ def test_rows_that_split_a_block_dequantize_within_nf4_error():
     for nested in (False, True):
         dequantized = nf4_dequantize(Nf4Weight.from_bnb(_quantized(weight, nested=nested)))
         assert rel_err(dequantized, weight) < 0.1
+
+
+SM90_COMPILE = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from inductor_ext.bench.compile_cost import compile_one, fake_cuda
+from inductor_ext.kernels.nf4 import BLOCK, NESTED_BLOCKSIZE, NUM_WARPS, nf4_dequantize_kernel
+
+n = 4096 * 64
+for nested in (False, True):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        absmax = torch.uint8 if nested else torch.float32
+        shapes = [(n // 2, torch.uint8), (16, torch.float32), (n // 64, absmax), (256, torch.float32),
+                  (n // 64 // 256, torch.float32), ((), torch.float32), (n, dtype)]
+        meta = tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in shapes)
+        with FakeTensorMode():
+            kwargs = {"NESTED": nested, "NESTED_BLOCK": NESTED_BLOCKSIZE, "BLOCK": BLOCK, "num_warps": NUM_WARPS}
+            cost = compile_one(nf4_dequantize_kernel, (*fake_cuda(meta), n, 64), kwargs, GPUTarget("cuda", 90, 32))
+        print(nested, dtype, cost["registers"], cost["spill bytes"])
+"""
+
+
+def test_the_kernel_compiles_for_sm90_without_spills():
+    """The interpreter checks no types: every variant through Triton's full sm_90 compile (no GPU needed)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TRITON_INTERPRET": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert len(rows) == 6 and all(int(registers) > 0 and spills == "0" for *_, registers, spills in rows), rows
 
 
 def test_block_sizes_other_than_64_dequantize():
