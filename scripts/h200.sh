@@ -7,15 +7,20 @@
 #                                             failures summarised on stdout
 #   bash scripts/h200.sh bench [benchmarks...]  benchmarks (default: every op and model-level one; long)
 #                                             + examples/quickstart.py as a smoke test
-# Environment: OUT (default /tmp/out) receives results.tgz; LOGS (default /tmp/h200_logs) holds every log,
+# Environment: WHEELS, a folder of wheels to add with no network (e.g. bitsandbytes for the QLoRA tests and
+# `bench train --qlora`: `pip download --no-deps bitsandbytes` elsewhere), installed with --no-deps into
+# $WHEELS/site, which goes on PYTHONPATH; OUT (default /tmp/out) receives results.tgz; LOGS (default /tmp/h200_logs) holds every log,
 # benchmark JSON/PNG and gpu.txt; INDUCTOR_EXT_CACHE_DIR (default /tmp/h200_cache) is the tuning database's
 # folder, copied into LOGS. On exit LOGS is bundled into one archive, $OUT/results.tgz, to copy off the machine.
 set -uo pipefail
 case ${1:-tests} in
   tests | bench) ;;
-  *) sed -n '2,12s/^# \{0,1\}//p' "$0"; [ "$1" = -h ] || [ "$1" = --help ]; exit ;;
+  *) sed -n '2,14s/^# \{0,1\}//p' "$0"; [ "$1" = -h ] || [ "$1" = --help ]; exit ;;
 esac
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$WHEELS/site" "$WHEELS"/*.whl && PYTHONPATH=$PWD:$WHEELS/site
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOGS=${LOGS:-/tmp/h200_logs}; mkdir -p "$LOGS"
 export INDUCTOR_EXT_CACHE_DIR=${INDUCTOR_EXT_CACHE_DIR:-/tmp/h200_cache}
