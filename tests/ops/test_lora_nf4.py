@@ -342,3 +342,13 @@ def test_bad_4bit_weights_are_named():
     param = bnb.nn.Params4bit(torch.randn(8, 8), requires_grad=False, quant_type="nf4")  # not yet quantised
     with pytest.raises(ValueError, match="not quantised yet"):
         Nf4Weight.from_bnb(param)
+
+
+def test_codes_stored_in_another_dtype_are_read_as_bytes():
+    """bitsandbytes' ``quant_storage`` (bf16 storage, as FSDP-sharded QLoRA uses) holds the same bytes."""
+    weight = torch.randn(64, 128, device=DEVICE)
+    param = bnb.nn.Params4bit(
+        weight.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True, quant_storage=torch.bfloat16
+    ).to(weight.device)
+    assert param.dtype == torch.bfloat16
+    assert torch.equal(nf4_dequantize(Nf4Weight.from_bnb(param)), _bnb_dequantized(param))
