@@ -76,28 +76,26 @@ struct Options {
   int iters = 1;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& text) {
+// `convert(text, &end)` (std::stoll, std::stod) over the whole of `text`, else a UsageError naming `flag`.
+template <typename Convert>
+auto parse_number(const std::string& flag, const std::string& text, const char* expected, Convert convert) {
   size_t end = 0;
-  int64_t value = 0;
+  decltype(convert(text, &end)) value{};
   try {
-    value = std::stoll(text, &end);
+    value = convert(text, &end);
   } catch (const std::exception&) {
     end = 0;
   }
-  if (end == 0 || end != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
+  if (end == 0 || end != text.size()) throw UsageError(flag + " expects " + expected + ", got '" + text + "'");
   return value;
 }
 
+int64_t parse_int(const std::string& flag, const std::string& text) {
+  return parse_number(flag, text, "an integer", [](const std::string& s, size_t* end) { return std::stoll(s, end); });
+}
+
 double parse_double(const std::string& flag, const std::string& text) {
-  size_t end = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &end);
-  } catch (const std::exception&) {
-    end = 0;
-  }
-  if (end == 0 || end != text.size()) throw UsageError(flag + " expects a number, got '" + text + "'");
-  return value;
+  return parse_number(flag, text, "a number", [](const std::string& s, size_t* end) { return std::stod(s, end); });
 }
 
 Options parse_args(int argc, char** argv) {

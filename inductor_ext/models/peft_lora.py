@@ -82,14 +82,10 @@ def _unusable_4bit_base(base: Any) -> str | None:
 
     if type(base) not in (bitsandbytes.nn.Linear4bit, bitsandbytes.nn.LinearNF4, bitsandbytes.nn.LinearFP4):
         return f"its base layer is {type(base).__name__}, not bitsandbytes' Linear4bit"
-    weight = base.weight
-    state = getattr(weight, "quant_state", None)
-    if state is None or not getattr(weight, "bnb_quantized", False):
-        return "its 4-bit base is not quantised yet (bitsandbytes quantises when the layer moves to its device)"
-    if getattr(state, "packing_format_for_cpu", False):
+    if getattr(getattr(base.weight, "quant_state", None), "packing_format_for_cpu", False):
         return "its 4-bit base is in bitsandbytes' CPU inference layout (packing_format_for_cpu)"
-    try:
-        check_nf4_weight("models.apply", "the base weight", Nf4Weight.from_bnb(weight))
+    try:  # from_bnb refuses a base not quantised yet (bitsandbytes quantises when it moves to its device)
+        check_nf4_weight("models.apply", "the base weight", Nf4Weight.from_bnb(base.weight))
     except (ValueError, TypeError) as error:
         return f"its 4-bit base does not fit the fused ops ({error})"
     if base.bias is not None and base.bias.requires_grad:
@@ -180,22 +176,23 @@ def _active(layer: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Lor
     base = layer.base_layer
     if base.bias is not None and base.bias.requires_grad:
         return None
-    if getattr(base.weight, "quant_state", None) is not None:
-        state = base.weight.quant_state
+    state = getattr(base.weight, "quant_state", None)
+    weight: Tensor | Nf4Weight = base.weight
+    if state is not None:
         if (
             state.dtype != dtype
             or base.compute_dtype not in (None, dtype)
             or getattr(state, "packing_format_for_cpu", False)
+            or (base.bias is not None and base.bias.dtype != dtype)
         ):
             return None
-        if base.bias is not None and base.bias.dtype != dtype:
-            return None
+        weight = Nf4Weight.from_bnb(base.weight)
     elif base.weight.dtype != dtype or base.weight.requires_grad:
         return None
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     if layer._fastops_lora_dtype == "input":  # differentiable casts: the gradients arrive in the adapters' dtype
         lora_a, lora_b = lora_a.to(dtype), lora_b.to(dtype)
-    projection = LoraProjection(_base_weight(base), lora_a, lora_b, layer.scaling[name], base.bias)
+    projection = LoraProjection(weight, lora_a, lora_b, layer.scaling[name], base.bias)
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, torch.nn.Dropout) and dropout.training else 0.0
     return projection, p
