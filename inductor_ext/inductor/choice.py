@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._ops import OpOverload
 
@@ -361,19 +362,20 @@ def _compile_math_on(
 def compile_math(
     math: Callable[..., Any], args: Sequence[Any], options: BackendOptions
 ) -> Callable[[Sequence[Any]], Any]:
-    """Inductor's code for ``math`` at these arguments (tensors become graph inputs)."""
+    """Inductor's code for ``math`` at these arguments (tensors, those in lists too, become graph inputs)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    leaves, spec = pytree.tree_flatten(list(args))
+    positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
 
     def with_tensors(*tensors: torch.Tensor) -> Any:
-        full = list(args)
+        full = list(leaves)
         for i, t in zip(positions, tensors):
             full[i] = t
-        return math(*full)
+        return math(*pytree.tree_unflatten(full, spec))
 
-    tensors = [args[i] for i in positions]
+    tensors = [leaves[i] for i in positions]
     # traced on fake tensors: real ones would run the math, whose fp32 intermediates (softmax,
     # one-hot, ...) took a cross-entropy backward's tuning to 4.25x its logits (8.3 GiB, H200)
     gm = make_fx(with_tensors, tracing_mode="fake")(*tensors)
@@ -381,4 +383,9 @@ def compile_math(
     patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}
     with _compat.applied(_compat.inductor_patches()):  # the standalone tuner compiles outside the backend
         compiled = cast(Callable[..., Any], compile_fx(gm, tensors, config_patches=patches))
-    return lambda inputs: compiled(*[inputs[i] for i in positions])
+
+    def run(inputs: Sequence[Any]) -> Any:
+        flat = pytree.tree_leaves(list(inputs))
+        return compiled(*[flat[i] for i in positions])
+
+    return run

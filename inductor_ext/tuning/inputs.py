@@ -8,6 +8,9 @@ argument is filled by what it *means*, read from the op's schema:
 * floating point: ``randn`` (unit scale: the scale of normalised activations, logits
   and their gradients), in the argument's own strides (a transposed view stays one);
 * bool: fair coin flips;
+* uint8: uniform bytes. The ops' uint8 tensors are quantised weights (two 4-bit codes a byte,
+  absmax constants as indices into a 256-entry table): every byte is a valid value;
+* a list of tensors (a quantised weight's constants): each tensor by these same rules;
 * integer: by the argument's **name** in the schema, through :data:`INDEX_ARGUMENTS`:
 
   ``labels``
@@ -80,6 +83,8 @@ def random_inputs(op: OpOverload, args: Sequence[Any], device: torch.device | st
 def _random_argument(
     op: OpOverload, name: str, value: Any, bound: Mapping[str, Any], device: torch.device | str | None
 ) -> Any:
+    if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
+        return [_random_argument(op, f"{name}[{i}]", item, bound, device) for i, item in enumerate(value)]
     if not isinstance(value, torch.Tensor):
         return value
     try:
@@ -99,6 +104,8 @@ def _random_argument(
         return torch.randn(span, dtype=value.dtype, device=target).as_strided(shape, template.stride())
     if value.dtype == torch.bool:
         return torch.rand(shape, device=target) < 0.5
+    if value.dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=target)
     rule = INDEX_ARGUMENTS.get(name)
     if rule is None:
         raise ValueError(f"{op._name}: no rule for integer argument {name!r}; "

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
+import torch.utils._pytree as pytree
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +33,25 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def meta_templates(args: Sequence[Any]) -> list[Any]:
-    """``args`` with every tensor replaced by :func:`meta_like` (layouts and dtypes, no storage)."""
-    return [meta_like(a) if isinstance(a, torch.Tensor) else a for a in args]
+    """``args`` with every tensor, in lists too (``Tensor[]`` arguments), replaced by :func:`meta_like`
+    (layouts and dtypes, no storage)."""
+    return pytree.tree_map_only(torch.Tensor, meta_like, list(args))
 
 
 def signature(args: Sequence[Any]) -> str:
     """A stable text key of an op call: dtypes and shapes of tensors (hints for symbolic sizes), other
     values. Strides are left out: a backward's arguments may be laid out differently in a compiled
     graph than in the eager run its route was timed from, and the key must still find the decision."""
-    parts = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            dims = ",".join(str(size_hint(s)) for s in a.shape)
-            parts.append(f"{str(a.dtype).removeprefix('torch.')}[{dims}]")
-        else:
-            parts.append(repr(a))
-    return "(" + ", ".join(parts) + ")"
+    return "(" + ", ".join(_key(a) for a in args) + ")"
+
+
+def _key(a: Any) -> str:
+    if isinstance(a, torch.Tensor):
+        dims = ",".join(str(size_hint(s)) for s in a.shape)
+        return f"{str(a.dtype).removeprefix('torch.')}[{dims}]"
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_key(item) for item in a) + "]"
+    return repr(a)
 
 
 def capture_graph(calls: Sequence[Callable[[], Any]]) -> torch.cuda.CUDAGraph:
@@ -117,7 +121,7 @@ def median_ms(run: Callable[[Sequence[Any]], Any], make_inputs: Callable[[], Seq
     with a warning: host time may then be counted.
     """
     first = make_inputs()
-    nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(list(first)) if isinstance(t, torch.Tensor))
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     sets = [first] + [make_inputs() for _ in range(min(32, 2 * l2 // max(nbytes, 1)))]
     calls = [functools.partial(run, sets[i % len(sets)]) for i in range(max(10, len(sets)))]

@@ -29,10 +29,15 @@ def test_dequantize_kernel_matches_bitsandbytes_cuda(nested, dtype):
     expected = bnb.functional.dequantize_4bit(param.data, param.quant_state)
     packed, quant = Nf4Weight.from_bnb(param).op_arguments()
     ours = _dequantize_kernel(packed, quant, dtype)
-    # the scales' product and offset may be one fused multiply-add here, two roundings there
-    ulp = torch.finfo(dtype).eps * expected.float().abs()
-    assert ((ours.float() - expected.float()).abs() <= ulp).all()
-    assert (ours == expected).float().mean() > 0.999
+    # The scales' product and offset may be one fused multiply-add here, two roundings there: the
+    # block's fp32 scale may differ by one rounding (relative eps of fp32), and so the product. A 16-bit
+    # output rounds that away but for the rare value next to a tie (1 ulp of its dtype); a float32 output
+    # keeps it: the scale's rounding plus the product's, under 2 eps relative.
+    eps = torch.finfo(dtype).eps
+    tolerance = (2 * eps if dtype == torch.float32 else eps) * expected.float().abs()
+    assert ((ours.float() - expected.float()).abs() <= tolerance).all()
+    if dtype != torch.float32:
+        assert (ours == expected).float().mean() > 0.999
 
 
 def _qlora_llama(module: str) -> torch.nn.Module:

@@ -306,6 +306,50 @@ def test_opcheck_with_4bit_bases(dtype):
     torch.library.opcheck(ops.lora_mlp_fwd.default, (x, *fwd, "silu", 0.0))
 
 
+def test_route_timing_inputs_of_4bit_bases_are_random_bytes():
+    """The backend times routes on random inputs built from the call's shapes: a 4-bit base's codes
+    and its quantised absmax are uint8 (inside the Tensor[] of constants), and every byte is valid."""
+    from inductor_ext.tuning.inputs import random_inputs
+
+    mlp = [_nf4_projection(_random_projection(i, o, torch.float32))
+           for i, o in ((HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, KV))]  # fmt: skip
+    x = torch.randn(64, HIDDEN, device=DEVICE)
+    call = [x, *[a for p in mlp for a in _fwd_args(p, None)], "silu", 0.0]
+    on_meta = [[t.to("meta") for t in a] if isinstance(a, list) else a.to("meta") if isinstance(a, torch.Tensor) else a
+               for a in call]  # fmt: skip
+    made = random_inputs(torch.ops.fastops.lora_mlp_fwd.default, on_meta, DEVICE)
+    codes, constants = made[1], made[2]
+    assert codes.dtype == torch.uint8 and codes.shape == call[1].shape and codes.unique().numel() > 250
+    assert [(t.dtype, t.shape) for t in constants] == [(t.dtype, t.shape) for t in call[2]]
+    absmax_codes = next(t for t in constants if t.dtype == torch.uint8)
+    assert absmax_codes.max() - absmax_codes.min() > 200  # the whole byte range, not zeros
+    y, *_ = torch.ops.fastops.lora_mlp_fwd(*made)
+    assert y.shape == (64, KV)
+
+
+def test_inductor_route_compiles_the_math_over_4bit_constants():
+    """Route timing compiles the op's aten math with every tensor a graph input, the 4-bit base's
+    constants inside their Tensor[] too (a real tensor left in the list fails fake tracing), and keys
+    the decision by the constants' shapes."""
+    from inductor_ext.inductor.choice import compile_math
+    from inductor_ext.inductor.options import BackendOptions
+    from inductor_ext.ops._library import DECOMPOSITIONS
+    from inductor_ext.tuning.inputs import random_inputs
+    from inductor_ext.tuning.timing import meta_templates, signature
+
+    op = torch.ops.fastops.lora_linear_fwd.default
+    proj = _nf4_projection(_random_projection(HIDDEN, KV, torch.float32))
+    call = [torch.randn(8, HIDDEN, device=DEVICE), *_fwd_args(proj, None), 0.0]
+    templates = meta_templates(call)
+    assert all(t.device.type == "meta" for t in templates[2])
+    constants = ", ".join(f"{str(t.dtype)[6:]}[{','.join(map(str, t.shape))}]" for t in call[2])
+    assert signature(templates) == signature(call) and f", [{constants}], " in signature(call)
+    compiled = compile_math(DECOMPOSITIONS[op], call, BackendOptions())
+    other = random_inputs(op, templates, DEVICE)
+    for got, expected in zip(compiled(other), op(*other)):
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("backend", ["inductor", "fastops_inductor"])
 def test_compiled_fullgraph_matches_eager(backend, fresh_dynamo):
     projs = [_nf4_projection(_random_projection(i, o, torch.float32))
