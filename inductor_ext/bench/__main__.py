@@ -24,6 +24,7 @@ OPS = ["rms_norm", "add_rms_norm"]
 OPS += ["layer_norm"]
 OPS += ["cross_entropy", "fused_linear_cross_entropy"]
 OPS += ["glu", "rope"]
+OPS += ["nf4_dequantize"]
 
 
 MODEL_BENCHES = {
