@@ -121,7 +121,8 @@ def apply(
     over a bf16 model):
 
     - ``"adapters"`` (default): the adapters' dtype, as PEFT's layers compute them (float32, so the
-      adapters' gradients are float32-accurate); under ``torch.autocast`` the autocast dtype, as PEFT.
+      adapters' gradients are float32-accurate; on CUDA on bf16 tensor cores, from exact bf16 parts:
+      :mod:`inductor_ext.ops._split_gemm`); under ``torch.autocast`` the autocast dtype, as PEFT.
     - ``"input"``: the input's dtype (bf16), what autocast would do: the adapters are cast for each
       call and their gradients still arrive in float32. Faster (bf16 tensor-core GEMMs; PEFT's float32
       low-rank GEMMs took 26 of its 91 ms of GEMMs on the Llama-1B LoRA step), and the adapters'

@@ -83,6 +83,7 @@ from torch._ops import OpOverload
 from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import rows_2d
 from inductor_ext.ops._library import define_op_family
+from inductor_ext.ops._split_gemm import float32_mm
 from inductor_ext.ops.glu import (
     geglu_ref,
     glu_bwd_kernels,
@@ -133,10 +134,24 @@ def _fwd_groups(inputs: Sequence[Any], first: int, count: int) -> list[_Fwd]:
     return [_Fwd(*inputs[first + _FWD_ARGS * i : first + _FWD_ARGS * (i + 1)]) for i in range(count)]
 
 
-def _dropped(x: Tensor, mask: Tensor | None, p: float, dtype: torch.dtype) -> Tensor:
-    """``x ⊙ m / (1 - p)`` in ``dtype`` (the adapters'), rounded once; ``x`` itself without a mask."""
-    x = x.to(dtype)
-    return x if mask is None else x * mask * (1.0 / (1.0 - p))
+def _adapter_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for the adapters' GEMMs: float32 when either side is float32 adapters' (a bf16 input
+    times float32 adapters runs on tensor cores at float32 accuracy: :func:`float32_mm`), else in the
+    operands' dtype; under ``torch.autocast``, autocast's."""
+    if torch.float32 in (a.dtype, b.dtype) and not torch.is_autocast_enabled(a.device.type):
+        return float32_mm(a, b)
+    return a @ b
+
+
+def _dropped(x: Tensor, mask: Tensor | None, p: float, adapter_dtype: torch.dtype) -> tuple[Tensor, float]:
+    """``(x', c)`` with ``x' · c = x ⊙ m / (1 - p)`` (``x``, 1 without a mask). ``x ⊙ m`` is exact in
+    ``x``'s dtype: for float32 adapters the scale ``c`` is left to the float32 product, so that the
+    16-bit input stays an exact operand of :func:`_adapter_mm`; 16-bit adapters get ``x'`` scaled."""
+    if mask is None:
+        return x, 1.0
+    if adapter_dtype == x.dtype:
+        return x * mask * (1.0 / (1.0 - p)), 1.0
+    return x * mask, 1.0 / (1.0 - p)
 
 
 def _project(x: Tensor, proj: _Fwd, p: float) -> tuple[Tensor, Tensor]:
@@ -144,7 +159,9 @@ def _project(x: Tensor, proj: _Fwd, p: float) -> tuple[Tensor, Tensor]:
     weight, quant, bias, lora_a, lora_b, scaling, mask = proj
     weight = dequantize(weight, quant, x.dtype)
     y = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-    xa = _dropped(x, mask, p, lora_a.dtype) @ lora_a.t()  # float32 adapters: float32, kept for dB
+    dropped, factor = _dropped(x, mask, p, lora_a.dtype)
+    xa = _adapter_mm(dropped, lora_a.t())  # float32 adapters: float32, kept for dB
+    xa = xa if factor == 1.0 else xa.mul_(factor)
     # the (N, out) term in y's dtype, from the rank-r factors cast to it: one GEMM accumulating into y
     y.addmm_(xa.to(y.dtype), lora_b.t().to(y.dtype), alpha=scaling)
     return y, xa
@@ -155,12 +172,11 @@ def _project_bwd(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(dx, dA, dB)`` of one projection; its ``dx`` terms added into ``dx`` in place when given."""
     weight, quant, lora_a, lora_b, xa, scaling, mask = proj
-    # float32 adapters: their gradients from float32 GEMMs, as PEFT's (xa is 16-bit if autocast was on)
-    dy_lora = dy.to(lora_b.dtype)
-    g = dy_lora @ lora_b
-    dlora_b = (dy_lora.t() @ xa.to(lora_b.dtype)).mul_(scaling)
-    del dy_lora
-    dlora_a = (g.t() @ _dropped(x, mask, p, lora_a.dtype)).mul_(scaling)
+    # float32 adapters: their gradients to float32 accuracy, as PEFT's (xa is 16-bit if autocast was on)
+    g = _adapter_mm(dy, lora_b)
+    dlora_b = _adapter_mm(dy.t(), xa.to(lora_b.dtype)).mul_(scaling)
+    dropped, factor = _dropped(x, mask, p, lora_a.dtype)
+    dlora_a = _adapter_mm(g.t(), dropped).mul_(scaling * factor)
     if compute_dx:
         weight = dequantize(weight, quant, dy.dtype)  # a 4-bit base again: never saved dequantised
         dx = dy @ weight if dx is None else dx.addmm_(dy, weight)
@@ -546,7 +562,8 @@ class LoraProjection(NamedTuple):
     for each GEMM that reads it, forward and backward, and keep only the 4-bit form between them;
     ``lora_a`` (r, in) and ``lora_b`` (out, r) the trainable adapters, in the input's dtype or
     float32 (PEFT keeps adapters in float32 over a 16-bit base by default: the rank-r products
-    ``x Aᵀ`` and ``dy B`` and the adapters' gradients are then float32 GEMMs, as in PEFT's layers;
+    ``x Aᵀ`` and ``dy B`` and the adapters' gradients are then float32-accurate, as in PEFT's layers,
+    on bf16 tensor cores on CUDA (:mod:`inductor_ext.ops._split_gemm`);
     the ``(N, out)`` and ``(N, in)`` terms go into the 16-bit ``y`` and ``dx`` by 16-bit GEMMs of
     the rank-r factors, where PEFT rounds its float32 term to 16 bits before adding it; under
     ``torch.autocast`` everything runs in the autocast dtype, as PEFT's layers do).
