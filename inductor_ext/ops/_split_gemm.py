@@ -34,9 +34,6 @@ from torch import Tensor
 PARTS = 3
 """bf16 parts of a float32 operand: 3 × 8 significant bits cover float32's 24."""
 
-_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
-"""Whether this torch's ``mm`` takes ``out_dtype`` (``aten::mm.dtype``)."""
-
 Mm16 = Callable[[Tensor, Tensor], Tensor]
 """``(a, b) -> a @ b``: 16-bit operands, float32 accumulation and output."""
 
@@ -69,6 +66,6 @@ def float32_mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` to float32 accuracy, in float32, for 2-D ``a`` and ``b`` each bf16, float16 or float32
     (16-bit operands are exact in float32): on bf16 tensor cores when one is bf16 and the other float32
     on CUDA (:func:`split_mm`), as a float32 GEMM otherwise."""
-    if a.is_cuda and {a.dtype, b.dtype} == {torch.bfloat16, torch.float32} and _HAS_OUT_DTYPE:
+    if a.is_cuda and {a.dtype, b.dtype} == {torch.bfloat16, torch.float32}:
         return split_mm(a, b)
     return a.float() @ b.float()

@@ -310,14 +310,13 @@ def test_route_timing_inputs_of_4bit_bases_are_random_bytes():
     """The backend times routes on random inputs built from the call's shapes: a 4-bit base's codes
     and its quantised absmax are uint8 (inside the Tensor[] of constants), and every byte is valid."""
     from inductor_ext.tuning.inputs import random_inputs
+    from inductor_ext.tuning.timing import meta_templates
 
     mlp = [_nf4_projection(_random_projection(i, o, torch.float32))
            for i, o in ((HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, KV))]  # fmt: skip
     x = torch.randn(64, HIDDEN, device=DEVICE)
     call = [x, *[a for p in mlp for a in _fwd_args(p, None)], "silu", 0.0]
-    on_meta = [[t.to("meta") for t in a] if isinstance(a, list) else a.to("meta") if isinstance(a, torch.Tensor) else a
-               for a in call]  # fmt: skip
-    made = random_inputs(torch.ops.fastops.lora_mlp_fwd.default, on_meta, DEVICE)
+    made = random_inputs(torch.ops.fastops.lora_mlp_fwd.default, meta_templates(call), DEVICE)
     codes, constants = made[1], made[2]
     assert codes.dtype == torch.uint8 and codes.shape == call[1].shape and codes.unique().numel() > 250
     assert [(t.dtype, t.shape) for t in constants] == [(t.dtype, t.shape) for t in call[2]]
