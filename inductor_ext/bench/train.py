@@ -148,6 +148,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "qlora_fused_eager": None,
     "qlora_fused_fastops_inductor": {"backend": "fastops_inductor"},
     "qlora_fused_fastops_inductor_input_dtype": {"backend": "fastops_inductor"},
+    "qlora_fused_fastops_inductor_keep_mlp": {"backend": "fastops_inductor"},
 }  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
@@ -159,7 +160,9 @@ tuner fills the tuning database from the model's config before the model is buil
 :func:`inductor_ext.models.apply`; ``qlora_*`` train the same adapters over the NF4-quantised base
 (``--qlora``, :mod:`inductor_ext.bench.qlora`), ``qlora_peft_*`` with PEFT's ``lora.Linear4bit`` layers,
 ``qlora_fused_*`` on that PEFT model patched by :func:`inductor_ext.models.apply` (``*_input_dtype``: with
-``lora_dtype="input"``, the float32 adapters' low-rank GEMMs in bf16); ``*_packed`` and
+``lora_dtype="input"``, the float32 adapters' low-rank GEMMs in bf16; ``*_keep_mlp``: under
+``--gradient-checkpointing``, the fused MLP's outputs kept rather than recomputed,
+:func:`inductor_ext.models.keep_lora_mlp_outputs`); ``*_packed`` and
 ``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
 ``attention_mask`` (compiled with ``dynamic=True``)."""
 
@@ -171,7 +174,7 @@ LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "
                   "lora_fused_fastops_inductor", "lora_fused_fastops_inductor_input_dtype")  # fmt: skip
 """What ``--lora`` runs."""
 QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor",
-                   "qlora_fused_fastops_inductor_input_dtype")  # fmt: skip
+                   "qlora_fused_fastops_inductor_input_dtype", "qlora_fused_fastops_inductor_keep_mlp")  # fmt: skip
 """What ``--qlora`` runs (``--providers`` picks among them)."""
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
@@ -228,7 +231,7 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, config)  # type: ignore[arg-type]
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
+def enable_checkpointing(model: torch.nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
     """Non-reentrant activation checkpointing of each decoder layer of ``model`` (a PEFT model's too), set
     up so that ``torch.compile`` traces the step whole, for every provider alike.
 
@@ -236,11 +239,14 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     a frozen base under reentrant checkpointing needs and non-reentrant checkpointing does not (the
     adapters get their gradients either way): the hook's ``requires_grad_()`` breaks Dynamo's graph, so
     it is removed. ``use_cache`` is turned off, as trainers do under checkpointing: transformers warns on
-    every call otherwise, and the warning is a graph break too."""
+    every call otherwise, and the warning is a graph break too. ``context_fn``: selective checkpointing's
+    (e.g. :func:`inductor_ext.models.keep_lora_mlp_outputs`), passed on to ``torch.utils.checkpoint``."""
     hf_model: Any = model
     if hasattr(hf_model, "get_base_model"):  # PEFT's wrapper
         hf_model = hf_model.get_base_model()
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(hf_model, "activation_checkpointing_enable"):  # gradient_checkpointing_enable: its deprecated alias
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -331,7 +337,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             lora_dtype="input" if provider.endswith("_input_dtype") else "adapters",
         )  # fmt: skip
     if args.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, models.keep_lora_mlp_outputs() if provider.endswith("_keep_mlp") else None)
     if ranks > 1:
         fsdp.shard(model)
     optimizer_step = make_step(model, provider, args.attention_mask)
@@ -517,6 +523,9 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--qlora runs only {' '.join(QLORA_PROVIDERS)}"
     elif quantized:
         return f"{' '.join(quantized)}: only with --qlora"
+    kept = [p for p in args.providers or () if p.endswith("_keep_mlp")]
+    if kept and not args.gradient_checkpointing:
+        return f"{' '.join(kept)}: only with --gradient-checkpointing (it changes what checkpointing recomputes)"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         return f"--nproc {args.nproc} needs as many GPUs; this host has {torch.cuda.device_count()}"
     if args.device == "cuda" and not torch.cuda.is_available():

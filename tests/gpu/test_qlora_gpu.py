@@ -122,3 +122,43 @@ def test_mlp_under_fastops_inductor_matches_eager():
     compiled_weight, kernel_weight = torch.compile(nf4_dequantize)(weight), nf4_dequantize(weight)
     ulp = torch.finfo(DTYPE).eps * kernel_weight.float().abs()
     assert ((compiled_weight.float() - kernel_weight.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_lora_mlp_outputs"])
+def test_checkpointed_mlp_under_fastops_inductor_keeps_gate_and_up_only_when_asked(keep):
+    """Checkpointed with ``models.keep_lora_mlp_outputs``, the compiled forward keeps ``G`` and ``U``
+    (``2 N I`` bf16) for the backward; plainly checkpointed it keeps none of the MLP's activations.
+    Outputs and gradients as eager's without checkpointing either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    from inductor_ext.models import keep_lora_mlp_outputs
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _qlora_llama("mlp")
+    layers = [model.gate_proj, model.up_proj, model.down_proj]
+    projs = [_qlora_projection(layer) for layer in layers]
+    params = _leaves(layers)
+    kwargs = {"context_fn": keep_lora_mlp_outputs()} if keep else {}
+
+    def block(x):
+        return checkpoint(lambda x: lora_mlp(x, *projs), x, use_reentrant=False, **kwargs)
+
+    compiled = torch.compile(block, backend="fastops_inductor", fullgraph=True)
+    x = _x().requires_grad_()
+    compiled(x).sum().backward()  # compile first: the kept memory below is the steady state's
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = compiled(x)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    y.sum().backward()
+    gate_and_up = 2 * TOKENS * INTERMEDIATE * 2
+    if keep:
+        assert gate_and_up <= kept <= gate_and_up + 2**24, (kept, gate_and_up)
+    else:
+        assert kept <= 2**24, kept
+    assert not counters["graph_break"]
+    eager = _outputs_and_grads(lambda x: lora_mlp(x, *projs), x, params)
+    for i, (c, e) in enumerate(zip(_outputs_and_grads(compiled, x, params), eager)):
+        assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
