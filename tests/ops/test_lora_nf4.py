@@ -217,6 +217,44 @@ def test_forward_keeps_the_4bit_weights_not_dequantised_copies():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_kept_mlp_outputs_compiled_keep_no_dequantised_weight():
+    """Checkpointed with ``models.keep_lora_mlp_outputs`` under ``torch.compile`` (AOTAutograd's
+    min-cut partitioner), the forward graph hands the backward ``G`` and ``U`` and no dequantised
+    weight: the backward's dequantisation is not merged into the forward's "save" nodes."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import checkpoint
+
+    from inductor_ext.models import keep_lora_mlp_outputs
+
+    projs = [
+        _nf4_projection(_random_projection(i, o, torch.bfloat16))
+        for i, o in ((HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN))
+    ]
+    saved_shapes: list[tuple[int, ...]] = []
+
+    def forward_graph(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        (outputs,) = [node.args[0] for node in gm.graph.nodes if node.op == "output"]
+        saved_shapes.extend(tuple(o.meta["val"].shape) for o in outputs if isinstance(o, torch.fx.Node))
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward_graph, partition_fn=min_cut_rematerialization_partition)
+
+    def block(x):
+        return checkpoint(lambda x: lora_mlp(x, *projs), x, use_reentrant=False, context_fn=keep_lora_mlp_outputs())
+
+    params = [t for p in projs for t in (p.lora_a, p.lora_b)]
+    x = _x(torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = _outputs_and_grads(torch.compile(block, backend=backend, fullgraph=True), x, params)
+    rows = BATCH * SEQ
+    assert saved_shapes.count((rows, INTERMEDIATE)) >= 2, saved_shapes  # G and U
+    assert not {(INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)} & set(saved_shapes), saved_shapes
+    eager = _outputs_and_grads(lambda x: lora_mlp(x, *projs), x, params)
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
+
+
 def _qlora_module(
     module: torch.nn.Module, targets: list[str], dtype: torch.dtype, adapter_dtype: torch.dtype | None = None,
     rank: int = RANK,
