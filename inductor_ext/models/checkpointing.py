@@ -13,12 +13,19 @@ outputs instead of recomputing it, and recomputes everything else, as plain chec
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": keep_lora_mlp_outputs()})
 
-The trade: the MLP's forward GEMMs run once instead of twice (about 60% of a decoder layer's
-recomputed GEMM work at the Llama-3.1-8B shape), for ``tokens × (2 × intermediate + hidden)``
-saved elements per layer in the input's dtype (about 0.5 GiB per layer at 4 × 2048 tokens of the
-8B shape, 16.5 GiB over 32 layers). Results are identical: the saved tensors are the ones the
-recomputation would produce. Works eagerly and under ``torch.compile`` (any backend; non-reentrant
-checkpointing only, as selective checkpointing requires).
+The trade: the gate and up projections' forward GEMMs run once instead of twice, for
+``2 × tokens × intermediate`` saved elements per layer in the input's dtype (0.44 GiB per layer at
+4 × 2048 tokens of the Llama-3.1-8B shape). Results are identical: the saved tensors are the ones
+the recomputation would produce. Works eagerly and under ``torch.compile`` (any backend;
+non-reentrant checkpointing only, as selective checkpointing requires).
+
+Known defect, compiled over a 4-bit base: ``torch.compile`` traces the op into its parts and the
+policy marks every part "save"; AOTAutograd's common-subexpression elimination merges the backward
+op's dequantisation into the forward op's, so the three dequantised weights are kept as well
+(+352 MiB a layer at the 8B shape; measured on the H200: 38.4 GiB peak for the 8B QLoRA step, where
+``G`` and ``U`` alone would give about 26.6). Unpacking the codes with other aten ops in the backward
+stops the merge on CPU and for one MLP on the H200, but measured worse on the whole 8B model
+(47.9 GiB, 759 ms a step against 725), for reasons not yet found; it is not applied.
 """
 
 import functools

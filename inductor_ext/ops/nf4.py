@@ -139,27 +139,19 @@ def check_nf4_weight(fn: str, name: str, weight: Nf4Weight) -> None:
         raise ValueError(f"{fn}: {name}'s tensors must all be on {weight.packed.device}")
 
 
-def dequantize(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, in_backward: bool = False) -> Tensor:
+def dequantize(weight: Tensor, quant: list[Tensor], dtype: torch.dtype) -> Tensor:
     """The ``(out, in)`` weight in ``dtype`` from the LoRA ops' ``(weight, weight_quant)``; ``weight`` itself
-    when ``quant`` is empty (a dense weight). ``in_backward``: traced in a backward op
-    (:func:`dequantize_math`'s)."""
+    when ``quant`` is empty (a dense weight)."""
     if not quant:
         return weight
     if use_eager_bypass([weight]) and kernels_run_on(weight.device):
         return _dequantize_kernel(weight, quant, dtype)
-    return dequantize_math(weight, quant, dtype, in_backward=in_backward)
+    return dequantize_math(weight, quant, dtype)
 
 
-def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, in_backward: bool = False) -> Tensor:
+def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype) -> Tensor:
     """Aten-only :func:`dequantize` (what tracing records; the kernel's math in the docstring of
-    :mod:`inductor_ext.kernels.nf4`).
-
-    ``in_backward`` unpacks the two 4-bit codes of a byte with ``// 16`` and ``% 16`` instead of ``>> 4`` and
-    ``& 0xF``: the same values from other aten ops. AOTAutograd's common-subexpression elimination over the
-    joint graph would otherwise merge a backward op's dequantisation with its forward op's, node for node,
-    and under selective checkpointing (:func:`inductor_ext.models.keep_lora_mlp_outputs`, which marks
-    every node of the forward op "save") the partitioner then saves the dequantised weights for the
-    backward: three bf16 weights per MLP, 352 MiB a layer at the Llama-3.1-8B shape, measured on the H200."""
+    :mod:`inductor_ext.kernels.nf4`)."""
     out, half = weight.shape
     code, absmax = quant[0], quant[1]
     n = out * half * 2
@@ -168,8 +160,7 @@ def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, 
         nested_code, nested_absmax, offset = quant[2:]
         per_scale = nested_absmax.view(-1, 1).expand(-1, NESTED_BLOCKSIZE).reshape(-1)[:blocks]
         absmax = nested_code[absmax.long()] * per_scale + offset
-    high, low = (weight // 16, weight % 16) if in_backward else (weight >> 4, weight & 0xF)
-    codes = torch.stack((high, low), dim=-1).view(out, half * 2).long()
+    codes = torch.stack((weight >> 4, weight & 0xF), dim=-1).view(out, half * 2).long()
     values = code[codes].view(blocks, n // blocks) * absmax.view(blocks, 1)
     return values.view(out, half * 2).to(dtype)
 
