@@ -18,15 +18,19 @@ from tests.models.test_peft_lora import LAYERS, _adapter_grads, lora_model
 pytest.importorskip("peft")
 
 
-def _patched_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Two copies of a patched tiny LoRA Llama: plain checkpointing, and keeping the MLP's outputs."""
+@pytest.fixture
+def patched_pair():
+    """Two copies of a patched tiny LoRA Llama: plain checkpointing, and keeping the MLP's outputs;
+    unpatched afterwards (``apply`` also patches transformers' shared RoPE function)."""
     plain = lora_model("llama")
     kept = copy.deepcopy(plain)
     for model, context_fn in ((plain, None), (kept, models.keep_lora_mlp_outputs())):
         models.apply(model)
         enable_checkpointing(model, context_fn)
         model.train()
-    return plain, kept
+    yield plain, kept
+    for model in (plain, kept):
+        models.unapply(model)
 
 
 def _assert_same_step(plain: torch.nn.Module, kept: torch.nn.Module, plain_loss, kept_loss) -> None:
@@ -39,11 +43,11 @@ def _assert_same_step(plain: torch.nn.Module, kept: torch.nn.Module, plain_loss,
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_eager_runs_the_mlp_forward_once_per_layer(monkeypatch):
+def test_eager_runs_the_mlp_forward_once_per_layer(patched_pair, monkeypatch):
     calls = []
     mlp_fwd = lora_ops._mlp_fwd
     monkeypatch.setattr(lora_ops, "_mlp_fwd", lambda *args: calls.append(1) or mlp_fwd(*args))
-    plain, kept = _patched_pair()
+    plain, kept = patched_pair
     ids = _batches(1)[0]
     losses, counts = [], []
     for model in (plain, kept):
@@ -56,7 +60,7 @@ def test_eager_runs_the_mlp_forward_once_per_layer(monkeypatch):
     _assert_same_step(plain, kept, *losses)
 
 
-def test_compiled_backward_recomputes_no_gate_or_up_gemm():
+def test_compiled_backward_recomputes_no_gate_or_up_gemm(patched_pair):
     """On CPU the op is traced through into aten (its decomposition): the partitioner then keeps
     the gate and up projections' outputs (base GEMM, A and B products: 6 mm per layer) instead of
     recomputing them, and the backward graph has that many fewer mm."""
@@ -71,7 +75,7 @@ def test_compiled_backward_recomputes_no_gate_or_up_gemm():
     )
     ids = _batches(1)[0]
     losses = []
-    plain, kept = _patched_pair()
+    plain, kept = patched_pair
     for model in (plain, kept):
         torch._dynamo.reset()
         loss = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss
