@@ -19,13 +19,10 @@ The trade: the gate and up projections' forward GEMMs run once instead of twice,
 the recomputation would produce. Works eagerly and under ``torch.compile`` (any backend;
 non-reentrant checkpointing only, as selective checkpointing requires).
 
-Known defect, compiled over a 4-bit base: ``torch.compile`` traces the op into its parts and the
-policy marks every part "save"; AOTAutograd's common-subexpression elimination merges the backward
-op's dequantisation into the forward op's, so the three dequantised weights are kept as well
-(+352 MiB a layer at the 8B shape; measured on the H200: 38.4 GiB peak for the 8B QLoRA step, where
-``G`` and ``U`` alone would give about 26.6). Unpacking the codes with other aten ops in the backward
-stops the merge on CPU and for one MLP on the H200, but measured worse on the whole 8B model
-(47.9 GiB, 759 ms a step against 725), for reasons not yet found; it is not applied.
+Over a 4-bit base no dequantised weight is kept: the policy marks every part of the traced op
+"save", but the backward op's dequantisation depends on its incoming gradient
+(:func:`inductor_ext.ops.nf4.dequantize_math`), so it is neither merged with the forward's nor moved
+into the forward.
 """
 
 import functools

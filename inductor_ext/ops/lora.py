@@ -178,7 +178,7 @@ def _project_bwd(
     dropped, factor = _dropped(x, mask, p, lora_a.dtype)
     dlora_a = _adapter_mm(g.t(), dropped).mul_(scaling * factor)
     if compute_dx:
-        weight = dequantize(weight, quant, dy.dtype)  # a 4-bit base again: never saved dequantised
+        weight = dequantize(weight, quant, dy.dtype, grad=dy)  # a 4-bit base again: never saved dequantised
         dx = dy @ weight if dx is None else dx.addmm_(dy, weight)
         lora_a = lora_a.to(dx.dtype)  # the (N, in) term in dx's dtype, as the forward's (N, out) one
         if mask is None:

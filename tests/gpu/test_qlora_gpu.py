@@ -124,19 +124,10 @@ def test_mlp_under_fastops_inductor_matches_eager():
     assert ((compiled_weight.float() - kernel_weight.float()).abs() <= ulp).all()
 
 
-_KEEPS_WEIGHTS = pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the dequantised weights are kept too (H200: 588 MiB kept for 235 MiB of G and U; "
-    "see inductor_ext.models.checkpointing)",
-)
-
-
-@pytest.mark.parametrize(
-    "keep", [False, pytest.param(True, marks=_KEEPS_WEIGHTS)], ids=["recompute", "keep_lora_mlp_outputs"]
-)
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_lora_mlp_outputs"])
 def test_checkpointed_mlp_under_fastops_inductor_keeps_gate_and_up_only_when_asked(keep):
-    """Checkpointed with ``models.keep_lora_mlp_outputs``, the compiled forward should keep ``G`` and
-    ``U`` (``2 N I`` bf16) for the backward; plainly checkpointed it keeps none of the MLP's activations.
+    """Checkpointed with ``models.keep_lora_mlp_outputs``, the compiled forward keeps ``G`` and ``U``
+    (``2 N I`` bf16) for the backward, and no dequantised weight; plainly checkpointed it keeps none of the MLP's activations.
     Outputs and gradients as eager's without checkpointing either way."""
     from torch.utils.checkpoint import checkpoint
 
