@@ -99,13 +99,17 @@ def test_mlp_peak_memory_is_below_peft_over_bitsandbytes():
     assert ours < theirs, (ours / 2**20, theirs / 2**20)
 
 
-def test_mlp_under_fastops_inductor_matches_eager():
+def _compiled_mlp_setup() -> tuple[list, list[torch.Tensor]]:
+    """A fresh Dynamo and the 8B-shape QLoRA MLP's fused projections and adapter parameters."""
     torch._dynamo.reset()
     counters.clear()
     model = _qlora_llama("mlp")
     layers = [model.gate_proj, model.up_proj, model.down_proj]
-    projs = [_qlora_projection(layer) for layer in layers]
-    params = _leaves(layers)
+    return [_qlora_projection(layer) for layer in layers], _leaves(layers)
+
+
+def test_mlp_under_fastops_inductor_matches_eager():
+    projs, params = _compiled_mlp_setup()
     x = _x()
 
     def block(x):
@@ -127,18 +131,13 @@ def test_mlp_under_fastops_inductor_matches_eager():
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_lora_mlp_outputs"])
 def test_checkpointed_mlp_under_fastops_inductor_keeps_gate_and_up_only_when_asked(keep):
     """Checkpointed with ``models.keep_lora_mlp_outputs``, the compiled forward keeps ``G`` and ``U``
-    (``2 N I`` bf16) for the backward, and no dequantised weight; plainly checkpointed it keeps none of the MLP's activations.
-    Outputs and gradients as eager's without checkpointing either way."""
+    (``2 N I`` bf16) for the backward, and no dequantised weight; plainly checkpointed it keeps none
+    of the MLP's activations. Outputs and gradients as eager's without checkpointing either way."""
     from torch.utils.checkpoint import checkpoint
 
     from inductor_ext.models import keep_lora_mlp_outputs
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _qlora_llama("mlp")
-    layers = [model.gate_proj, model.up_proj, model.down_proj]
-    projs = [_qlora_projection(layer) for layer in layers]
-    params = _leaves(layers)
+    projs, params = _compiled_mlp_setup()
     kwargs = {"context_fn": keep_lora_mlp_outputs()} if keep else {}
 
     def block(x):
