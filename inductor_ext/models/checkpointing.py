@@ -34,12 +34,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import inductor_ext.ops.lora  # noqa: F401  (registers fastops::lora_mlp_fwd)
 
-_KEPT_OPS = frozenset({torch.ops.fastops.lora_mlp_fwd.default})
-
 
 def _keep_lora_mlp_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save the fused LoRA MLP's outputs; recompute every other op."""
-    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op is torch.ops.fastops.lora_mlp_fwd.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def keep_lora_mlp_outputs() -> Callable[[], Any]:
