@@ -66,6 +66,15 @@ def float32_mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` to float32 accuracy, in float32, for 2-D ``a`` and ``b`` each bf16, float16 or float32
     (16-bit operands are exact in float32): on bf16 tensor cores when one is bf16 and the other float32
     on CUDA (:func:`split_mm`), as a float32 GEMM otherwise."""
-    if a.is_cuda and {a.dtype, b.dtype} == {torch.bfloat16, torch.float32}:
+    if _splits(a, b):
         return split_mm(a, b)
     return a.float() @ b.float()
+
+
+def _splits(a: Tensor, b: Tensor) -> bool:
+    return a.is_cuda and {a.dtype, b.dtype} == {torch.bfloat16, torch.float32}
+
+
+def float32_mm_upcasts(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`float32_mm` of ``a`` and ``b`` reads a 16-bit operand through a float32 copy."""
+    return not _splits(a, b) and torch.float32 in (a.dtype, b.dtype) and a.dtype != b.dtype

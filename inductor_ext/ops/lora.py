@@ -80,10 +80,11 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
+from inductor_ext.ops._gradient_tie import tied_to_gradient
 from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import rows_2d
 from inductor_ext.ops._library import define_op_family
-from inductor_ext.ops._split_gemm import float32_mm
+from inductor_ext.ops._split_gemm import float32_mm, float32_mm_upcasts
 from inductor_ext.ops.glu import (
     geglu_ref,
     glu_bwd_kernels,
@@ -432,6 +433,10 @@ def _mlp_bwd(glu_fwd: GluFwd, glu_bwd: GluBwd, args: Sequence[Any]) -> AdapterGr
     assert dh is not None
     dgate, dup = glu_bwd(dh, gate_out, up_out, activation)
     del dh
+    if gate.dropout_mask is not None or up.dropout_mask is not None or float32_mm_upcasts(x, gate.lora_a):
+        # read elementwise below (the masks' products, a float32 copy): the backward's own, not the forward's
+        # (kept under selective checkpointing, the forward's would be saved: ops._gradient_tie)
+        x = tied_to_gradient(x, dy)
     dx, dgate_a, dgate_b = _project_bwd(dgate, x, gate, dropout_p, None, compute_dx)
     dx, dup_a, dup_b = _project_bwd(dup, x, up, dropout_p, dx, compute_dx)
     return _dx_or_empty(dx, x), dgate_a, dgate_b, dup_a, dup_b, ddown_a, ddown_b
@@ -506,7 +511,10 @@ def lora_mlp_bwd_math(
     dropout_p: float,
     compute_dx: bool,
 ) -> AdapterGrads:
-    """Aten-only backward: ``(dx, dA_gate, dB_gate, dA_up, dB_up, dA_down, dB_down)``."""
+    """Aten-only backward: ``(dx, dA_gate, dB_gate, dA_up, dB_up, dA_down, dB_down)``. ``h`` is recomputed
+    from ``G`` and ``U`` read through :func:`~inductor_ext.ops._gradient_tie.tied_to_gradient`: the
+    forward's float32 upcasts of ``G`` and ``U`` are not merged into it (and so not saved)."""
+    gate_out, up_out = tied_to_gradient(gate_out, dy), tied_to_gradient(up_out, dy)
     args = (dy, x, gate_out, up_out,
             gate_weight, gate_weight_quant, gate_lora_a, gate_lora_b, gate_xa, gate_scaling, gate_dropout_mask,
             up_weight, up_weight_quant, up_lora_a, up_lora_b, up_xa, up_scaling, up_dropout_mask,

@@ -23,6 +23,7 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.nf4 import BLOCK, NESTED_BLOCKSIZE, NUM_WARPS, nf4_dequantize_kernel
+from inductor_ext.ops._gradient_tie import tied_to_gradient
 from inductor_ext.ops._launch import kernels_run_on
 from inductor_ext.ops._library import use_eager_bypass
 
@@ -139,9 +140,6 @@ def check_nf4_weight(fn: str, name: str, weight: Nf4Weight) -> None:
         raise ValueError(f"{fn}: {name}'s tensors must all be on {weight.packed.device}")
 
 
-_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
 def dequantize(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, grad: Tensor | None = None) -> Tensor:
     """The ``(out, in)`` weight in ``dtype`` from the LoRA ops' ``(weight, weight_quant)``; ``weight`` itself
     when ``quant`` is empty (a dense weight). ``grad``: in a backward op, its incoming gradient
@@ -157,17 +155,12 @@ def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, 
     """Aten-only :func:`dequantize` (what tracing records; the kernel's math in the docstring of
     :mod:`inductor_ext.kernels.nf4`).
 
-    ``grad`` (a backward op's incoming gradient) makes the traced dequantisation depend on it: the
-    codes are OR-ed with a zero byte computed from one element of ``grad``, which changes no value.
-    Without that dependency the backward's dequantisation reads only the frozen weights, so
-    AOTAutograd's partitioner counts it as forward work: it merges it with the forward's identical
-    dequantisation (common-subexpression elimination) or cuts it off, and saves its output, a whole
-    dequantised weight, from forward to backward (seen on CPU and on the H200: every dequantised
-    weight kept under ``torch.compile``, the bf16 model in memory again). Depending on the gradient,
-    it stays in the backward and runs there."""
-    if grad is not None and grad.numel() > 0:
-        zero_byte = (grad[(0,) * grad.dim()].view(_SAME_SIZE_INT[grad.dtype]) & 0).to(torch.uint8)
-        weight = weight | zero_byte
+    ``grad`` (a backward op's incoming gradient): the codes are read through
+    :func:`~inductor_ext.ops._gradient_tie.tied_to_gradient`, so that under ``torch.compile`` the
+    backward's dequantisation stays in the backward instead of being merged with the forward's and its
+    output, a whole dequantised weight, saved from forward to backward."""
+    if grad is not None:
+        weight = tied_to_gradient(weight, grad)
     out, half = weight.shape
     code, absmax = quant[0], quant[1]
     n = out * half * 2

@@ -131,17 +131,22 @@ def test_mlp_under_fastops_inductor_matches_eager():
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_lora_mlp_outputs"])
 def test_checkpointed_mlp_under_fastops_inductor_keeps_gate_and_up_only_when_asked(keep):
     """Checkpointed with ``models.keep_lora_mlp_outputs``, the compiled forward keeps ``G`` and ``U``
-    (``2 N I`` bf16) for the backward, and no dequantised weight; plainly checkpointed it keeps none
-    of the MLP's activations. Outputs and gradients as eager's without checkpointing either way."""
+    (``2 N I`` bf16) for the backward, and no dequantised weight, no dropped input and no float32 copy;
+    plainly checkpointed it keeps none of the MLP's activations. With dropout, as the benchmark's
+    fine-tune. Outputs and gradients as eager's without checkpointing either way."""
     from torch.utils.checkpoint import checkpoint
 
     from inductor_ext.models import keep_lora_mlp_outputs
 
     projs, params = _compiled_mlp_setup()
     kwargs = {"context_fn": keep_lora_mlp_outputs()} if keep else {}
+    masks = tuple(torch.rand(TOKENS, n, device="cuda") > 0.05 for n in (HIDDEN, HIDDEN, INTERMEDIATE))
+
+    def mlp(x):
+        return lora_mlp(x, *projs, dropout_p=0.05, dropout_masks=masks)
 
     def block(x):
-        return checkpoint(lambda x: lora_mlp(x, *projs), x, use_reentrant=False, **kwargs)
+        return checkpoint(mlp, x, use_reentrant=False, **kwargs)
 
     compiled = torch.compile(block, backend="fastops_inductor", fullgraph=True)
     x = _x().requires_grad_()
@@ -158,6 +163,6 @@ def test_checkpointed_mlp_under_fastops_inductor_keeps_gate_and_up_only_when_ask
     else:
         assert kept <= 2**24, kept
     assert not counters["graph_break"]
-    eager = _outputs_and_grads(lambda x: lora_mlp(x, *projs), x, params)
+    eager = _outputs_and_grads(mlp, x, params)
     for i, (c, e) in enumerate(zip(_outputs_and_grads(compiled, x, params), eager)):
         assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))

@@ -220,9 +220,11 @@ def test_forward_keeps_the_4bit_weights_not_dequantised_copies():
 @pytest.mark.parametrize("checkpointing", ["none", "keep_lora_mlp_outputs"])
 def test_compiled_forward_keeps_no_dequantised_weight(checkpointing):
     """Under ``torch.compile`` (AOTAutograd's min-cut partitioner) the forward graph hands the backward
-    no dequantised weight, with or without selective checkpointing: the backward's dequantisation
-    depends on its gradient, so the partitioner cannot move it to the forward and save its output.
-    Checkpointed with ``models.keep_lora_mlp_outputs``, ``G`` and ``U`` are handed over."""
+    no dequantised weight and no float32 copy of an activation, with or without selective
+    checkpointing: the backward op's recomputations (dequantisation, the GLU's upcasts, dropout
+    applied to its input) are tied to its gradient, so they are not merged with the forward's and
+    saved. Checkpointed with ``models.keep_lora_mlp_outputs``, ``G`` and ``U`` are handed over, in
+    bf16. float32 adapters and dropout, as a QLoRA fine-tune has them."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch.utils.checkpoint import checkpoint
@@ -233,17 +235,21 @@ def test_compiled_forward_keeps_no_dequantised_weight(checkpointing):
         _nf4_projection(_random_projection(i, o, torch.bfloat16))
         for i, o in ((HIDDEN, INTERMEDIATE), (HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN))
     ]
-    saved_shapes: list[tuple[int, ...]] = []
+    projs = [p._replace(lora_a=p.lora_a.float(), lora_b=p.lora_b.float()) for p in projs]
+    tokens = BATCH * SEQ
+    generator = torch.Generator().manual_seed(0)
+    masks = tuple(torch.rand(BATCH, SEQ, n, generator=generator) > 0.1 for n in (HIDDEN, HIDDEN, INTERMEDIATE))
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
 
     def forward_graph(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
         (outputs,) = [node.args[0] for node in gm.graph.nodes if node.op == "output"]
-        saved_shapes.extend(tuple(o.meta["val"].shape) for o in outputs if isinstance(o, torch.fx.Node))
+        saved.extend((tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outputs if isinstance(o, torch.fx.Node))
         return gm
 
     backend = aot_autograd(fw_compiler=forward_graph, partition_fn=min_cut_rematerialization_partition)
 
     def mlp(x):
-        return lora_mlp(x, *projs)
+        return lora_mlp(x, *projs, dropout_p=0.1, dropout_masks=masks)
 
     def kept(x):
         return checkpoint(mlp, x, use_reentrant=False, context_fn=keep_lora_mlp_outputs())
@@ -253,8 +259,12 @@ def test_compiled_forward_keeps_no_dequantised_weight(checkpointing):
     x = _x(torch.bfloat16)
     torch._dynamo.reset()
     compiled = _outputs_and_grads(torch.compile(block, backend=backend, fullgraph=True), x, params)
-    assert saved_shapes and not {(INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)} & set(saved_shapes), saved_shapes
-    assert saved_shapes.count((BATCH * SEQ, INTERMEDIATE)) >= 2, saved_shapes  # G and U
+    shapes = {shape for shape, _ in saved}
+    assert saved and not {(INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)} & shapes, saved
+    activations = [(shape, dtype) for shape, dtype in saved if shape in {(tokens, INTERMEDIATE), (tokens, HIDDEN)}]
+    assert all(dtype == torch.bfloat16 for _, dtype in activations), activations
+    if checkpointing == "keep_lora_mlp_outputs":
+        assert [s for s, _ in activations].count((tokens, INTERMEDIATE)) == 2, activations  # G and U
     eager = _outputs_and_grads(mlp, x, params)
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
