@@ -12,8 +12,7 @@ dropout keep-mask ``m`` (N, in, bool) drawn with probability ``1 - p``::
 Each in-place ``addmm_`` (here and in the backward's ``dx``) goes through ``fastops::lora_addmm_``, an
 opaque mutating op: traced, a plain ``addmm_`` is functionalised into ``addmm(y, ...)``, which Inductor
 runs as cuBLAS writing a new buffer after copying ``y`` into it (a device-to-device copy of every
-projection's output, 2–3% of a compiled QLoRA step at the Llama-3.1-8B shape); the opaque op is
-reinplaced by Inductor and accumulates into ``y`` itself.
+projection's output); the opaque op is reinplaced by Inductor and accumulates into ``y`` itself.
 
 Backward; ``W`` and ``c`` are frozen, so it computes only ``dx``, ``dA`` and ``dB``::
 
