@@ -96,6 +96,10 @@ def test_package_has_no_call_back_into_the_fastops_op(static_package):
     """The op was compiled to C++ (its CPU branch), not left as a proxy-executor call that
     would need the Python registration (and fails in pure C++: "Could not find schema")."""
     _, path, _ = static_package
+    _assert_no_python_op_call(path)
+
+
+def _assert_no_python_op_call(path: Path) -> None:
     with zipfile.ZipFile(path) as z:
         sources = {n: z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith(".cpp")}
     assert any(n.endswith("wrapper.cpp") for n in sources), list(sources)
@@ -197,3 +201,31 @@ def test_load_promotes_the_runtime_only_for_a_wrapper_with_its_own_static_libstd
             package.write(tmp_path / f"{name}.so", "model/data/aotinductor/model/wrapper.so")
         found.append(carries_static_cxx_runtime(tmp_path / f"{name}.pt2"))
     assert found == [True, False, False]
+
+
+class LoraBlock(torch.nn.Module):
+    """A fused LoRA projection (``lora_linear``: its low-rank term accumulated in place), as a PEFT model
+    patched by ``models.apply`` runs it."""
+
+    def __init__(self, hidden: int = HIDDEN, rank: int = 4) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2 * hidden, hidden) / hidden**0.5, requires_grad=False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, hidden) / hidden**0.5)
+        self.lora_b = torch.nn.Parameter(torch.randn(2 * hidden, rank) / rank**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from inductor_ext.ops.lora import LoraProjection, lora_linear
+
+        return lora_linear(x, LoraProjection(self.weight, self.lora_a, self.lora_b, 2.0, None))
+
+
+def test_lora_package_is_all_cpp(tmp_path):
+    """The LoRA op's in-place accumulation is an opaque op under ``torch.compile`` (Inductor reinplaces
+    it); compiled for AOTInductor it is traced as aten instead, so the package calls back into nothing."""
+    torch.manual_seed(0)
+    model = LoraBlock().eval()
+    x = torch.randn(16, HIDDEN)
+    ep = torch.export.export(model, (x,))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "lora.pt2"))
+    _assert_no_python_op_call(Path(path))
+    assert rel_err(torch._inductor.aoti_load_package(str(path))(x), _eager(model, x)) < FP32_TOL

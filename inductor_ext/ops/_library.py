@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch._inductor.config
 from torch._ops import OpOverload
 from torch.library import triton_op
 from triton.runtime.autotuner import Autotuner
@@ -284,11 +285,22 @@ class MutatingOp:
     run_direct: Callable[..., Any]
     """Direct launches (eager), bumping each mutated tensor's version counter as the dispatcher would."""
     tensor_args: tuple[int, ...]
+    aten_body: Callable[..., Any] | None = None
+    """An opaque op's function, traced in its place when compiling for AOTInductor (whose C++ runtime
+    cannot call an op registered from Python)."""
 
     def __call__(self, *args: Any) -> Any:
         if use_eager_bypass([args[i] for i in self.tensor_args]):
             return self.run_direct(*args)
+        if self.aten_body is not None and _compiling_for_aot_inductor():
+            return self.aten_body(*args)
         return self.op(*args)
+
+
+def _compiling_for_aot_inductor() -> bool:
+    """Inside ``aoti_compile_and_package`` (or ``aot_compile``), which sets AOTInductor's output path, as
+    AOTAutograd traces op bodies (Dynamo, which records the op itself, does not read the config)."""
+    return not torch.compiler.is_dynamo_compiling() and bool(torch._inductor.config.aot_inductor.output_path)
 
 
 def define_mutating_op(
@@ -311,10 +323,12 @@ def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Seq
 
     Opaque to the compiler: unlike a ``triton_op`` its body is never traced into aten ops, so an
     in-place update stays one. AOTAutograd functionalizes each call (``auto_functionalized``) and
-    Inductor's reinplacing makes it in place again when nothing else reads the old values.
+    Inductor's reinplacing makes it in place again when nothing else reads the old values. Compiled
+    for AOTInductor, ``fn`` itself is traced instead (its aten ops, functionalised): a package must
+    not call back into Python.
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates))._opoverload
-    return _mutating_op(op, lambda args: fn(*args), mutates)
+    return dataclasses.replace(_mutating_op(op, lambda args: fn(*args), mutates), aten_body=fn)
 
 
 def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> MutatingOp:
