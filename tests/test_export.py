@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import inductor_ext
+from inductor_ext.ops.lora import LoraProjection, lora_linear
 from tests.tolerances import OUTPUT, rel_err
 
 HIDDEN = 64
@@ -214,8 +215,6 @@ class LoraBlock(torch.nn.Module):
         self.lora_b = torch.nn.Parameter(torch.randn(2 * hidden, rank) / rank**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from inductor_ext.ops.lora import LoraProjection, lora_linear
-
         return lora_linear(x, LoraProjection(self.weight, self.lora_a, self.lora_b, 2.0, None))
 
 

@@ -24,10 +24,8 @@ what it recomputes (an NF4 base's dequantisation, the GLU's upcasts of ``G`` and
 input) through :func:`inductor_ext.ops._gradient_tie.tied_to_gradient`, so none of those forward
 nodes is handed to the backward: ``G`` and ``U`` only.
 
-Measured on the H200 (torch 2.11, Llama-3.1-8B shape, QLoRA, 4 × 2048 tokens): 738 ms a step
-instead of 893, at 47.9 GiB instead of 11.5, because Inductor's compiled backward runs most layers'
-adapter-gradient GEMMs at its end and so holds each layer's MLP gradients until then (the
-forward's hand-over is ``G`` and ``U`` as intended; see docs/benchmarks.md).
+Compiled on the H200 (torch 2.11) the backward holds each layer's MLP gradients until its end, so
+the peak is well above ``G`` and ``U``'s share (docs/benchmarks.md has the measurement).
 """
 
 import functools

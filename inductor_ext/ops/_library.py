@@ -328,10 +328,15 @@ def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Seq
     not call back into Python.
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates))._opoverload
-    return dataclasses.replace(_mutating_op(op, lambda args: fn(*args), mutates), aten_body=fn)
+    return _mutating_op(op, lambda args: fn(*args), mutates, aten_body=fn)
 
 
-def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates: Sequence[str]) -> MutatingOp:
+def _mutating_op(
+    op: OpOverload,
+    run: Callable[[tuple[Any, ...]], Any],
+    mutates: Sequence[str],
+    aten_body: Callable[..., Any] | None = None,
+) -> MutatingOp:
     """``op`` wrapped for eager calls: ``run(args)`` directly, bumping the mutated tensors' versions."""
     arguments = op._schema.arguments
     mutated = [i for i, a in enumerate(arguments) if a.name in mutates]
@@ -342,7 +347,8 @@ def _mutating_op(op: OpOverload, run: Callable[[tuple[Any, ...]], Any], mutates:
             torch.autograd.graph.increment_version(args[i])
         return output
 
-    return MutatingOp(op, run_direct, tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type)))
+    tensor_args = tuple(i for i, a in enumerate(arguments) if _is_tensor_type(a.type))
+    return MutatingOp(op, run_direct, tensor_args, aten_body)
 
 
 def _define_op(
