@@ -16,6 +16,10 @@ All arithmetic is fp32, in bitsandbytes' order (the product, then the offset), s
 bitsandbytes' ``dequantize_4bit`` up to the final rounding to the output dtype. The kernel is
 elementwise over ``W``: each program writes ``BLOCK`` consecutive elements and reads their
 ``BLOCK / 2`` bytes, the tiny ``code`` tables from cache. Offsets are int64.
+
+``ANCHOR`` is never read: a tensor the launch depends on. A compiled backward passes its incoming
+gradient there, so its dequantisation is a different node from the forward's and is scheduled after the
+gradient exists (:mod:`inductor_ext.ops._gradient_tie` says why that matters).
 """
 
 import triton
@@ -31,7 +35,7 @@ kernel, as Inductor's pointwise heuristic launches one. Not tuned."""
 
 @triton.jit
 def nf4_dequantize_kernel(
-    PACKED, CODE, ABSMAX, NESTED_CODE, NESTED_ABSMAX, OFFSET, OUT,
+    PACKED, CODE, ABSMAX, NESTED_CODE, NESTED_ABSMAX, OFFSET, OUT, ANCHOR,
     n, blocksize,
     NESTED: tl.constexpr, NESTED_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip

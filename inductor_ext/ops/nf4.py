@@ -10,10 +10,12 @@ shape rides on it), and ``weight_quant``, a list of tensors::
 
 A dense weight has an empty ``weight_quant``. The block size is ``out · in / absmax.numel()``.
 
-:func:`dequantize` runs our Triton kernel when launched directly (plain eager on a GPU, or on CPU
-under ``TRITON_INTERPRET=1``) and aten math whenever something traces (``torch.compile``, export):
-Inductor fuses that math (two nibble extractions, two table gathers, the products) into one
-elementwise kernel.
+:func:`dequantize` runs our Triton kernel on a GPU, launched directly in plain eager and traced
+(``wrap_triton``) under ``torch.compile`` and export, whatever route the backend picks for the op that
+calls it: Inductor's code of the same math (two nibble extractions, two table gathers, the products) is
+1.3-1.8x slower on the H200 (docs/benchmarks.md), and the GEMM reading the result is an extern kernel,
+so there is no fusion to lose. On CPU it runs the kernel under ``TRITON_INTERPRET=1`` in plain eager,
+and the aten math otherwise (the only code a CPU compile can run).
 """
 
 from typing import Any, NamedTuple
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from inductor_ext.kernels.nf4 import BLOCK, NESTED_BLOCKSIZE, NUM_WARPS, nf4_dequantize_kernel
 from inductor_ext.ops._gradient_tie import tied_to_gradient
-from inductor_ext.ops._launch import kernels_run_on
+from inductor_ext.ops._launch import DirectLaunch, Launch, TraceableLaunch, kernels_run_on
 from inductor_ext.ops._library import use_eager_bypass
 
 DEQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,18 +144,21 @@ def check_nf4_weight(fn: str, name: str, weight: Nf4Weight) -> None:
 
 def dequantize(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, grad: Tensor | None = None) -> Tensor:
     """The ``(out, in)`` weight in ``dtype`` from the LoRA ops' ``(weight, weight_quant)``; ``weight`` itself
-    when ``quant`` is empty (a dense weight). ``grad``: in a backward op, its incoming gradient
-    (:func:`dequantize_math` says why)."""
+    when ``quant`` is empty (a dense weight). ``grad``: in a backward op, its incoming gradient, on which
+    a traced dequantisation is made to depend (:mod:`inductor_ext.ops._gradient_tie` says why)."""
     if not quant:
         return weight
-    if use_eager_bypass([weight]) and kernels_run_on(weight.device):
-        return _dequantize_kernel(weight, quant, dtype)
+    if use_eager_bypass([weight]):
+        if kernels_run_on(weight.device):
+            return _dequantize_kernel(weight, quant, dtype)
+    elif weight.is_cuda:  # traced: the backward's launch depends on the gradient (kernels.nf4: ANCHOR)
+        return _launch_dequantize(_TRACEABLE, weight, quant, dtype, anchor=grad)
     return dequantize_math(weight, quant, dtype, grad=grad)
 
 
 def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, grad: Tensor | None = None) -> Tensor:
-    """Aten-only :func:`dequantize` (what tracing records; the kernel's math in the docstring of
-    :mod:`inductor_ext.kernels.nf4`).
+    """Aten-only :func:`dequantize` (what a compile off the GPU traces; the kernel's math in the
+    docstring of :mod:`inductor_ext.kernels.nf4`).
 
     ``grad`` (a backward op's incoming gradient): the codes are read through
     :func:`~inductor_ext.ops._gradient_tie.tied_to_gradient`, so that under ``torch.compile`` the
@@ -174,17 +179,29 @@ def dequantize_math(weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, 
     return values.view(out, half * 2).to(dtype)
 
 
+_DIRECT, _TRACEABLE = DirectLaunch(), TraceableLaunch()
+
+
 def _dequantize_kernel(weight: Tensor, quant: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Our kernel, launched directly (plain eager)."""
+    return _launch_dequantize(_DIRECT, weight, quant, dtype)
+
+
+def _launch_dequantize(
+    launch: Launch, weight: Tensor, quant: list[Tensor], dtype: torch.dtype, *, anchor: Tensor | None = None
+) -> Tensor:
+    """Our kernel through ``launch``; ``anchor``: a tensor the launch depends on without reading it
+    (:mod:`inductor_ext.kernels.nf4`), ``weight`` when None."""
     out, half = weight.shape
     n = out * half * 2
     code, absmax = quant[0], quant[1]
     nested = len(quant) == 5
     nested_code, nested_absmax, offset = quant[2:] if nested else (code, code, code)
     result = torch.empty((out, half * 2), dtype=dtype, device=weight.device)
-    grid = (triton.cdiv(n, BLOCK),)
-    nf4_dequantize_kernel[grid](
-        weight, code, absmax, nested_code, nested_absmax, offset, result, n, n // absmax.numel(),
-        NESTED=nested, NESTED_BLOCK=NESTED_BLOCKSIZE, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    launch(
+        nf4_dequantize_kernel, lambda meta: (triton.cdiv(n, BLOCK),),
+        weight, code, absmax, nested_code, nested_absmax, offset, result, weight if anchor is None else anchor,
+        n, n // absmax.numel(), NESTED=nested, NESTED_BLOCK=NESTED_BLOCKSIZE, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
     return result
 

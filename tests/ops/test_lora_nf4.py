@@ -107,7 +107,7 @@ for nested in (False, True):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         absmax = torch.uint8 if nested else torch.float32
         shapes = [(n // 2, torch.uint8), (16, torch.float32), (n // 64, absmax), (256, torch.float32),
-                  (n // 64 // 256, torch.float32), ((), torch.float32), (n, dtype)]
+                  (n // 64 // 256, torch.float32), ((), torch.float32), (n, dtype), (n // 2, torch.uint8)]
         meta = tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in shapes)
         with FakeTensorMode():
             kwargs = {"NESTED": nested, "NESTED_BLOCK": NESTED_BLOCKSIZE, "BLOCK": BLOCK, "num_warps": NUM_WARPS}
@@ -267,6 +267,57 @@ def test_compiled_forward_keeps_no_dequantised_weight(checkpointing):
     if checkpointing == "keep_lora_mlp_outputs":
         assert [s for s, _ in activations].count((tokens, INTERMEDIATE)) == 2, activations  # G and U
     eager = _outputs_and_grads(mlp, x, params)
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["lora_qkv", "lora_linear"])
+def test_compiled_checkpointed_qkv_keeps_its_outputs_only(fused):
+    """Checkpointed with ``models.keep_lora_outputs``, the compiled forward hands the backward ``x`` and
+    the projections' ``q``, ``k`` and ``v`` (one ``lora_qkv``, or three ``lora_linear`` as
+    ``models.apply`` routes attention; read by what follows in the region, here squares; plain
+    checkpointing would run the op again), and no dropped copy of ``x`` (the backward's dropout is tied
+    to its gradient) nor a dequantised weight. float32 adapters and dropout, as a QLoRA fine-tune has
+    them."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import checkpoint
+
+    from inductor_ext.models import keep_lora_outputs
+
+    projs = [_nf4_projection(_random_projection(HIDDEN, o, torch.bfloat16)) for o in (HIDDEN, KV, KV)]
+    projs = [p._replace(lora_a=p.lora_a.float(), lora_b=p.lora_b.float()) for p in projs]
+    tokens = BATCH * SEQ
+    generator = torch.Generator().manual_seed(0)
+    masks = tuple(torch.rand(tokens, HIDDEN, generator=generator) > 0.1 for _ in range(3))
+    graphs: list[list[torch.Tensor]] = []  # each compiled graph's outputs: the forward's first
+
+    def forward_graph(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        (outputs,) = [node.args[0] for node in gm.graph.nodes if node.op == "output"]
+        graphs.append([o.meta["val"] for o in outputs if isinstance(o, torch.fx.Node)])
+        return gm
+
+    backend = aot_autograd(fw_compiler=forward_graph, partition_fn=min_cut_rematerialization_partition)
+
+    def qkv(x):
+        if fused:
+            outputs = lora_qkv(x, *projs, dropout_p=0.1, dropout_masks=masks)
+        else:
+            outputs = tuple(lora_linear(x, p, dropout_p=0.1, dropout_mask=m) for p, m in zip(projs, masks))
+        return tuple(t * t for t in outputs)
+
+    def kept(x):
+        return checkpoint(qkv, x, use_reentrant=False, context_fn=keep_lora_outputs())
+
+    params = [t for p in projs for t in (p.lora_a, p.lora_b)]
+    x = _x(torch.bfloat16).view(tokens, HIDDEN).clone()
+    torch._dynamo.reset()
+    compiled = _outputs_and_grads(torch.compile(kept, backend=backend, fullgraph=True), x, params)
+    saved = [(tuple(t.shape), t.dtype) for t in graphs[0][3:]]  # after the region's three outputs
+    assert not {(HIDDEN, HIDDEN), (KV, HIDDEN)} & {shape for shape, _ in saved}, saved
+    activations = sorted(shape for shape, dtype in saved if dtype == torch.bfloat16 and shape[0] == tokens)
+    assert activations == sorted([(tokens, HIDDEN), (tokens, HIDDEN), (tokens, KV), (tokens, KV)]), saved
+    eager = _outputs_and_grads(qkv, x, params)
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert rel_err(c, e) < 1e-2, (i, rel_err(c, e))
 
