@@ -392,6 +392,7 @@ def test_packed_arguments_are_checked(argv, message, capsys):
         (["--providers", "qlora_fused_eager"], "only with --qlora"),
         (["--lora", "--providers", "qlora_peft_eager"], "only with --qlora"),
         (["--qlora", "--providers", "qlora_fused_fastops_inductor_keep_mlp"], "only with --gradient-checkpointing"),
+        (["--qlora", "--providers", "qlora_fused_fastops_inductor_keep_lora"], "only with --gradient-checkpointing"),
     ],
 )
 def test_qlora_arguments_are_checked(argv, message, capsys):

@@ -149,6 +149,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "qlora_fused_fastops_inductor": {"backend": "fastops_inductor"},
     "qlora_fused_fastops_inductor_input_dtype": {"backend": "fastops_inductor"},
     "qlora_fused_fastops_inductor_keep_mlp": {"backend": "fastops_inductor"},
+    "qlora_fused_fastops_inductor_keep_lora": {"backend": "fastops_inductor"},
 }  # fmt: skip
 """Provider -> ``torch.compile`` arguments (None: eager). ``liger_eager`` is HF with Liger-Kernel's
 patch for the model family (only where ``liger_kernel`` is importable); ``patched_*`` run the model
@@ -162,7 +163,8 @@ tuner fills the tuning database from the model's config before the model is buil
 ``qlora_fused_*`` on that PEFT model patched by :func:`inductor_ext.models.apply` (``*_input_dtype``: with
 ``lora_dtype="input"``, the float32 adapters' low-rank GEMMs in bf16; ``*_keep_mlp``: under
 ``--gradient-checkpointing``, the fused MLP's outputs kept rather than recomputed,
-:func:`inductor_ext.models.keep_lora_mlp_outputs`); ``*_packed`` and
+:func:`inductor_ext.models.keep_lora_mlp_outputs`; ``*_keep_lora``: the fused MLP's and QKV's,
+:func:`inductor_ext.models.keep_lora_outputs`); ``*_packed`` and
 ``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
 ``attention_mask`` (compiled with ``dynamic=True``)."""
 
@@ -174,7 +176,8 @@ LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "
                   "lora_fused_fastops_inductor", "lora_fused_fastops_inductor_input_dtype")  # fmt: skip
 """What ``--lora`` runs."""
 QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor",
-                   "qlora_fused_fastops_inductor_input_dtype", "qlora_fused_fastops_inductor_keep_mlp")  # fmt: skip
+                   "qlora_fused_fastops_inductor_input_dtype", "qlora_fused_fastops_inductor_keep_mlp",
+                   "qlora_fused_fastops_inductor_keep_lora")  # fmt: skip
 """What ``--qlora`` runs (``--providers`` picks among them)."""
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
@@ -229,6 +232,17 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
         r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=list(LORA_TARGETS)
     )
     return peft.get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+def _checkpoint_policy(provider: str) -> Callable[[], Any] | None:
+    """The selective checkpointing ``context_fn`` a provider asks for (``*_keep_mlp``, ``*_keep_lora``), else None."""
+    from inductor_ext import models
+
+    if provider.endswith("_keep_mlp"):
+        return models.keep_lora_mlp_outputs()
+    if provider.endswith("_keep_lora"):
+        return models.keep_lora_outputs()
+    return None
 
 
 def enable_checkpointing(model: torch.nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
@@ -337,7 +351,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             lora_dtype="input" if provider.endswith("_input_dtype") else "adapters",
         )  # fmt: skip
     if args.gradient_checkpointing:
-        enable_checkpointing(model, models.keep_lora_mlp_outputs() if provider.endswith("_keep_mlp") else None)
+        enable_checkpointing(model, _checkpoint_policy(provider))
     if ranks > 1:
         fsdp.shard(model)
     optimizer_step = make_step(model, provider, args.attention_mask)
@@ -523,7 +537,7 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--qlora runs only {' '.join(QLORA_PROVIDERS)}"
     elif quantized:
         return f"{' '.join(quantized)}: only with --qlora"
-    kept = [p for p in args.providers or () if p.endswith("_keep_mlp")]
+    kept = [p for p in args.providers or () if p.endswith(("_keep_mlp", "_keep_lora"))]
     if kept and not args.gradient_checkpointing:
         return f"{' '.join(kept)}: only with --gradient-checkpointing (it changes what checkpointing recomputes)"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -634,14 +648,18 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> No
     left.barh(names, [results[n][speed] / 1e3 for n in names], color="tab:blue")
     left.set_xlabel(f"thousand {'real (non-pad) ' if real else ''}tokens / s (higher is better)")
     left.invert_yaxis()
-    offset = [0.0] * len(names)
-    for category in CATEGORIES:
-        values = [results[n]["gpu_ms_by_category"][category] for n in names]
-        right.barh(names, values, left=offset, label=category)
-        offset = [a + b for a, b in zip(offset, values)]
-    right.set_xlabel("GPU ms per step, by kernel category")
     right.invert_yaxis()
-    right.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if not any(results[n]["gpu_ms_by_category"][c] for n in names for c in CATEGORIES):  # --profile-steps 0
+        right.barh(names, [results[n]["peak_gib"] or 0.0 for n in names], color="tab:gray")
+        right.set_xlabel("peak GiB allocated (lower is better)")
+    else:
+        offset = [0.0] * len(names)
+        for category in CATEGORIES:
+            values = [results[n]["gpu_ms_by_category"][category] for n in names]
+            right.barh(names, values, left=offset, label=category)
+            offset = [a + b for a, b in zip(offset, values)]
+        right.set_xlabel("GPU ms per step, by kernel category")
+        right.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -710,7 +728,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
     if results and args.device == "cuda":
         documents = ", packed documents" if args.packed else ""
-        title = f"{args.model}, {args.batch} x {args.seq} tokens{documents}, bf16, AdamW"
+        qlora = " QLoRA (NF4)" if args.qlora else ""
+        checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
+        title = f"{args.model}{qlora}, {args.batch} x {args.seq} tokens{documents}{checkpointing}, bf16, AdamW"
         plot(results, args.out / f"{stem}.png", title)
     return 0
 

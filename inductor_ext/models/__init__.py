@@ -1,8 +1,18 @@
 """Patch instantiated HF transformers models onto our ops: :func:`apply`, :func:`unapply`, :func:`patched`;
-:func:`keep_lora_mlp_outputs`, selective activation checkpointing for the patched LoRA MLP."""
+:func:`keep_lora_outputs` and :func:`keep_lora_mlp_outputs`, selective activation checkpointing for the patched
+LoRA ops."""
 
-from inductor_ext.models.checkpointing import keep_lora_mlp_outputs
+from inductor_ext.models.checkpointing import keep_lora_mlp_outputs, keep_lora_outputs
 from inductor_ext.models.families import FAMILIES
 from inductor_ext.models.patch import PatchReport, PatchWarning, apply, patched, unapply
 
-__all__ = ["FAMILIES", "PatchReport", "PatchWarning", "apply", "keep_lora_mlp_outputs", "patched", "unapply"]
+__all__ = [
+    "FAMILIES",
+    "PatchReport",
+    "PatchWarning",
+    "apply",
+    "keep_lora_mlp_outputs",
+    "keep_lora_outputs",
+    "patched",
+    "unapply",
+]

@@ -187,6 +187,10 @@ def _project_bwd(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(dx, dA, dB)`` of one projection; its ``dx`` terms added into ``dx`` in place when given."""
     weight, quant, lora_a, lora_b, xa, scaling, mask = proj
+    if mask is not None or float32_mm_upcasts(x, lora_a):
+        # read elementwise below (the mask's product, a float32 copy): the backward's own, not the forward's
+        # (kept under selective checkpointing, the forward's would be saved: ops._gradient_tie)
+        x = tied_to_gradient(x, dy)
     # float32 adapters: their gradients to float32 accuracy, as PEFT's (xa is 16-bit if autocast was on)
     g = _adapter_mm(dy, lora_b)
     dlora_b = _adapter_mm(dy.t(), xa.to(lora_b.dtype)).mul_(scaling)
@@ -450,10 +454,6 @@ def _mlp_bwd(glu_fwd: GluFwd, glu_bwd: GluBwd, args: Sequence[Any]) -> AdapterGr
     assert dh is not None
     dgate, dup = glu_bwd(dh, gate_out, up_out, activation)
     del dh
-    if gate.dropout_mask is not None or up.dropout_mask is not None or float32_mm_upcasts(x, gate.lora_a):
-        # read elementwise below (the masks' products, a float32 copy): the backward's own, not the forward's
-        # (kept under selective checkpointing, the forward's would be saved: ops._gradient_tie)
-        x = tied_to_gradient(x, dy)
     dx, dgate_a, dgate_b = _project_bwd(dgate, x, gate, dropout_p, None, compute_dx)
     dx, dup_a, dup_b = _project_bwd(dup, x, up, dropout_p, dx, compute_dx)
     return _dx_or_empty(dx, x), dgate_a, dgate_b, dup_a, dup_b, ddown_a, ddown_b

@@ -1,6 +1,7 @@
-"""models.keep_lora_mlp_outputs (selective activation checkpointing) on a patched PEFT LoRA model (CPU):
-the fused MLP's forward runs once per layer instead of twice, the backward graph under torch.compile
-recomputes fewer GEMMs, and the loss and adapter gradients are plain checkpointing's."""
+"""models.keep_lora_mlp_outputs and models.keep_lora_outputs (selective activation checkpointing) on a
+patched PEFT LoRA model (CPU): the fused MLP's (and QKV's) forward runs once per layer instead of twice,
+the backward graph under torch.compile recomputes fewer GEMMs, and the loss and adapter gradients are
+plain checkpointing's."""
 
 import copy
 
@@ -18,13 +19,30 @@ from tests.models.test_peft_lora import LAYERS, _adapter_grads, lora_model
 pytest.importorskip("peft")
 
 
+POLICIES = {"keep_lora_mlp_outputs": models.keep_lora_mlp_outputs, "keep_lora_outputs": models.keep_lora_outputs}
+KEPT_FORWARD_MMS = {"keep_lora_mlp_outputs": 5, "keep_lora_outputs": 10}
+"""At least so many fewer mm per layer in the compiled backward: the gate and up projections' base GEMMs
+and A products (and the B products, traced as aten.mm on CPU), and then the query, key and value ones."""
+
+
 @pytest.fixture
 def patched_pair():
     """Two copies of a patched tiny LoRA Llama: plain checkpointing, and keeping the MLP's outputs;
     unpatched afterwards (``apply`` also patches transformers' shared RoPE function)."""
+    yield from _patched_pair("keep_lora_mlp_outputs")
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy_and_pair(request):
+    pairs = _patched_pair(request.param)
+    yield request.param, *next(pairs)
+    next(pairs, None)  # unpatches
+
+
+def _patched_pair(policy: str):
     plain = lora_model("llama")
     kept = copy.deepcopy(plain)
-    for model, context_fn in ((plain, None), (kept, models.keep_lora_mlp_outputs())):
+    for model, context_fn in ((plain, None), (kept, POLICIES[policy]())):
         models.apply(model)
         enable_checkpointing(model, context_fn)
         model.train()
@@ -60,10 +78,11 @@ def test_eager_runs_the_mlp_forward_once_per_layer(patched_pair, monkeypatch):
     _assert_same_step(plain, kept, *losses)
 
 
-def test_compiled_backward_recomputes_no_gate_or_up_gemm(patched_pair):
-    """On CPU the op is traced through into aten (its decomposition): the partitioner then keeps
-    the gate and up projections' outputs (base GEMM, A and B products: 6 mm per layer) instead of
-    recomputing them, and the backward graph has that many fewer mm."""
+def test_compiled_backward_recomputes_no_kept_gemm(policy_and_pair):
+    """On CPU the ops are traced through into aten (their decomposition): the partitioner then keeps
+    the kept ops' outputs (the gate and up projections': base GEMM, A and B products, 6 mm per layer;
+    and the query, key and value projections') instead of recomputing them, and the backward graph has that
+    many fewer mm."""
     backward_mms = []
 
     def count_backward_mms(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
@@ -75,12 +94,12 @@ def test_compiled_backward_recomputes_no_gate_or_up_gemm(patched_pair):
     )
     ids = _batches(1)[0]
     losses = []
-    plain, kept = patched_pair
+    policy, plain, kept = policy_and_pair
     for model in (plain, kept):
         torch._dynamo.reset()
         loss = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss)
     plain_mms, kept_mms = backward_mms
-    assert plain_mms - kept_mms >= 5 * LAYERS, backward_mms
+    assert plain_mms - kept_mms >= KEPT_FORWARD_MMS[policy] * LAYERS, backward_mms
     _assert_same_step(plain, kept, *losses)
