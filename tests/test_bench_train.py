@@ -413,3 +413,11 @@ def test_qlora_rows_take_ratios_to_both_peft_references_and_losses_to_peft_eager
         ("qlora_peft_eager", 0.5, 1.0, 0.0), ("qlora_peft_torch_compile", 1.0, 2.0, 0.5),
         ("qlora_fused_fastops_inductor", 1.25, 2.5, 0.25)
     ]  # fmt: skip
+
+
+def test_keep_providers_run_by_default_only_with_gradient_checkpointing():
+    plain = train.default_providers(train.parser().parse_args(["--qlora"]))
+    checkpointed = train.default_providers(train.parser().parse_args(["--qlora", "--gradient-checkpointing"]))
+    assert checkpointed == list(train.QLORA_PROVIDERS)
+    assert plain == [p for p in train.QLORA_PROVIDERS if "_keep_" not in p]
+    assert "qlora_fused_fastops_inductor_keep_lora" in checkpointed

@@ -178,7 +178,9 @@ LORA_PROVIDERS = ("peft_eager", "peft_torch_compile", "peft_fastops_inductor", "
 QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_eager", "qlora_fused_fastops_inductor",
                    "qlora_fused_fastops_inductor_input_dtype", "qlora_fused_fastops_inductor_keep_mlp",
                    "qlora_fused_fastops_inductor_keep_lora")  # fmt: skip
-"""What ``--qlora`` runs (``--providers`` picks among them)."""
+"""What ``--qlora`` runs (``--providers`` picks among them; the ``*_keep_*`` ones with ``--gradient-checkpointing``)."""
+KEEP_SUFFIXES = ("_keep_mlp", "_keep_lora")
+"""Providers checkpointed with a selective policy (:func:`_checkpoint_policy`)."""
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
                     "liger_packed")  # fmt: skip
@@ -537,7 +539,7 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--qlora runs only {' '.join(QLORA_PROVIDERS)}"
     elif quantized:
         return f"{' '.join(quantized)}: only with --qlora"
-    kept = [p for p in args.providers or () if p.endswith(("_keep_mlp", "_keep_lora"))]
+    kept = [p for p in args.providers or () if p.endswith(KEEP_SUFFIXES)]
     if kept and not args.gradient_checkpointing:
         return f"{' '.join(kept)}: only with --gradient-checkpointing (it changes what checkpointing recomputes)"
     if args.device == "cuda" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -666,13 +668,20 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> No
     plt.close(fig)
 
 
+def default_providers(args: argparse.Namespace) -> list[str]:
+    """What runs without ``--providers``: the ``*_keep_*`` providers only with ``--gradient-checkpointing``
+    (their policies change what checkpointing recomputes; without it they would repeat the plain row)."""
+    providers = PACKED_PROVIDERS if args.packed else QLORA_PROVIDERS if args.qlora else DEFAULT_PROVIDERS
+    return [p for p in providers if args.gradient_checkpointing or not p.endswith(KEEP_SUFFIXES)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if (error := _check(args)) is not None:
         p.error(error)
     if args.providers is None:
-        args.providers = list(PACKED_PROVIDERS if args.packed else QLORA_PROVIDERS if args.qlora else DEFAULT_PROVIDERS)
+        args.providers = default_providers(args)
     if args.cpp_wrapper:
         args.providers = list(CPP_WRAPPER_PROVIDERS)
     if args.lora:
@@ -728,9 +737,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
     if results and args.device == "cuda":
         documents = ", packed documents" if args.packed else ""
-        qlora = " QLoRA (NF4)" if args.qlora else ""
+        quantised = " QLoRA (NF4)" if args.qlora else ""
         checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
-        title = f"{args.model}{qlora}, {args.batch} x {args.seq} tokens{documents}{checkpointing}, bf16, AdamW"
+        title = f"{args.model}{quantised}, {args.batch} x {args.seq} tokens{documents}{checkpointing}, bf16, AdamW"
         plot(results, args.out / f"{stem}.png", title)
     return 0
 
