@@ -21,7 +21,8 @@ shape), for the gate and up GEMMs run once instead of twice; the attention proje
 ``k`` and ``v``, ``tokens × (q_size + 2 kv_size)`` elements (0.09 GiB there), for the three GEMMs run
 once (the attention itself is recomputed from them). Compiled, only what the backward reads is kept
 (not the output projection's output, nor the MLP's); eagerly, selective checkpointing keeps every
-output of a kept op (those too: 0.06 GiB more per layer there). Results are identical: the saved
+output of a kept op (those too: 0.12 GiB more per layer there; the MLP's with
+:func:`keep_lora_mlp_outputs` as well). Results are identical: the saved
 tensors are the ones the recomputation would produce. Works eagerly and under ``torch.compile``
 (any backend; non-reentrant checkpointing only, as selective checkpointing requires).
 
