@@ -133,6 +133,8 @@ def _reads_through_mutations(get_freeable_input_buf: Callable[..., Any]) -> Call
 
         freeable = get_freeable_input_buf(nodes, graph_inputs)
         real_names = V.graph.scheduler.mutation_real_name  # a mutation's buffer -> the buffer it wrote
+        if not any(name in freeable for name in real_names.values()):
+            return freeable  # no freeable input is mutated: nothing to add
         for node in nodes:
             for dep in node.read_writes.reads:
                 buffer = freeable.get(real_names.get(dep.name))

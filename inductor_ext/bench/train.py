@@ -179,8 +179,9 @@ QLORA_PROVIDERS = ("qlora_peft_eager", "qlora_peft_torch_compile", "qlora_fused_
                    "qlora_fused_fastops_inductor_input_dtype", "qlora_fused_fastops_inductor_keep_mlp",
                    "qlora_fused_fastops_inductor_keep_lora")  # fmt: skip
 """What ``--qlora`` runs (``--providers`` picks among them; the ``*_keep_*`` ones with ``--gradient-checkpointing``)."""
-KEEP_SUFFIXES = ("_keep_mlp", "_keep_lora")
-"""Providers checkpointed with a selective policy (:func:`_checkpoint_policy`)."""
+KEEP_POLICIES = {"_keep_mlp": "keep_lora_mlp_outputs", "_keep_lora": "keep_lora_outputs"}
+"""Provider suffix -> the selective checkpointing policy of :mod:`inductor_ext.models` it runs with."""
+KEEP_SUFFIXES = tuple(KEEP_POLICIES)
 PACKED_PROVIDERS = ("hf_eager_padded", "fastops_inductor_padded", "hf_eager_packed", "torch_compile_packed",
                     "fastops_inductor_packed", "patched_fastops_inductor_packed", "patched_eager_packed",
                     "liger_packed")  # fmt: skip
@@ -237,13 +238,12 @@ def add_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _checkpoint_policy(provider: str) -> Callable[[], Any] | None:
-    """The selective checkpointing ``context_fn`` a provider asks for (``*_keep_mlp``, ``*_keep_lora``), else None."""
+    """The selective checkpointing ``context_fn`` a provider asks for (:data:`KEEP_POLICIES`), else None."""
     from inductor_ext import models
 
-    if provider.endswith("_keep_mlp"):
-        return models.keep_lora_mlp_outputs()
-    if provider.endswith("_keep_lora"):
-        return models.keep_lora_outputs()
+    for suffix, policy in KEEP_POLICIES.items():
+        if provider.endswith(suffix):
+            return getattr(models, policy)()
     return None
 
 
