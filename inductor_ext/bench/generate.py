@@ -13,6 +13,8 @@ Providers:
 - ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
   constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
   into one GEMM, and gate/up into one, over concatenated weights).
+- ``package_cpp_folded``: ``package_cpp`` exported with ``fold_query_heads=True`` (attention on the
+  cache's own key/value heads, :mod:`inductor_ext.generation.attention`).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -49,7 +51,7 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_cpp", "package_cpp_frozen")  # fmt: skip
+             "package_cpp", "package_cpp_frozen", "package_cpp_folded")  # fmt: skip
 
 
 def _sync(device: str) -> None:
@@ -134,7 +136,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             options = {"freezing": True} if provider.endswith("_frozen") else None
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
-                                     max_seq_len=max_seq, options=options)  # fmt: skip
+                                     max_seq_len=max_seq, options=options,
+                                     fold_query_heads=provider.endswith("_folded"))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate
         else:

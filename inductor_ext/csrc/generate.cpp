@@ -356,7 +356,7 @@ class Generation {
     inputs.insert(inputs.end(), caches_.begin(), caches_.end());
     if (!options_.cuda_graph) return run(inputs);
 #ifdef INDUCTOR_EXT_WITH_CUDA
-    // Untested here (CPU-only development machine): written to CUDAGraph's documented use.
+    // Tested on the H200 (tests/gpu/test_generation_gpu.py: the captured loop gives the launched loop's tokens).
     // The loader runs single-threaded (main()), so the AOTI container neither records nor queries its
     // completion event: nothing in run() but kernel launches and caching-allocator calls, which capture
     // takes into the graph's private pool. The current stream is main()'s side stream (capture cannot

@@ -16,15 +16,21 @@ H200: 9.9 ms a decode step at batch 8 for the Llama-3.2-1B shape, 14× the bandw
 Masking is explicit: slot ``j`` of the cache is visible to the token at slot ``i`` iff ``j <= i`` and
 ``attention_mask[b, j]`` is 1. With a left-padded batch this is exactly what transformers'
 ``generate`` computes (``position_ids`` count only real tokens, padding slots are never attended);
-the boolean mask is passed to the model as a 4-D mask, which transformers uses as is.
+the boolean mask is passed to the model as a 4-D mask, which transformers uses as is. With
+``fold_query_heads`` a model that runs SDPA attends through
+:func:`~inductor_ext.generation.attention.grouped_query_sdpa`, which reads the cache's key/value heads
+as they are instead of repeating them for each query head (faster from batch 8, slower at batch 1).
 """
 
+import contextlib
 import inspect
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from inductor_ext.generation.attention import grouped_query_attention
 
 
 class SlotLayer(CacheLayerMixin):
@@ -76,11 +82,13 @@ class GenerationStep(nn.Module):
     - ``kv_cache``: ``[keys_0, values_0, keys_1, ...]``, each ``(b, kv_heads, max_seq_len, head_dim)``, updated
       in place (:func:`inductor_ext.generation.cache_layout.layer_caches`).
     - returns ``(b, vocab)`` float32: the logits of each row's last new token.
+
+    ``fold_query_heads``: attend through :func:`~inductor_ext.generation.attention.grouped_query_sdpa`.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, fold_query_heads: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.fold_query_heads = model, fold_query_heads
         parameters = inspect.signature(model.forward).parameters
         # transformers >= 5.20 names the cache argument ``cache`` (``past_key_values`` deprecated) and has
         # no ``cache_position``; older versions compute it from the cache's length unless it is passed
@@ -100,8 +108,9 @@ class GenerationStep(nn.Module):
         kwargs: dict[str, Any] = {self.cache_argument: SlotCache(kv_cache, cache_position)}
         if self.takes_cache_position:
             kwargs["cache_position"] = cache_position
-        logits = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=visible, use_cache=True, logits_to_keep=1,
-            **kwargs,
-        ).logits  # fmt: skip
+        with grouped_query_attention(self.model) if self.fold_query_heads else contextlib.nullcontext():
+            logits = self.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=visible, use_cache=True, logits_to_keep=1,
+                **kwargs,
+            ).logits  # fmt: skip
         return logits[:, -1].float()
