@@ -13,8 +13,9 @@ Providers:
 - ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
   constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
   into one GEMM, and gate/up into one, over concatenated weights).
-- ``package_cpp_folded``: ``package_cpp`` exported with ``fold_query_heads=True`` (attention on the
-  cache's own key/value heads, :mod:`inductor_ext.generation.attention`).
+- ``package_cpp_folded``: ``package_cpp`` exported with ``fold_query_heads_from_batch=1`` (attention on
+  the cache's own key/value heads at every batch size, :mod:`inductor_ext.generation.attention`), and
+  ``package_cpp_folded_from_8`` with ``fold_query_heads_from_batch=8`` (chosen at run time).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -51,7 +52,9 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_cpp", "package_cpp_frozen", "package_cpp_folded")  # fmt: skip
+             "package_cpp", "package_cpp_frozen", "package_cpp_folded", "package_cpp_folded_from_8")  # fmt: skip
+FOLD_FROM_BATCH = {"package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
+"""``export_generation``'s ``fold_query_heads_from_batch`` per provider (the others: ``None``)."""
 
 
 def _sync(device: str) -> None:
@@ -137,7 +140,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             options = {"freezing": True} if provider.endswith("_frozen") else None
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq, options=options,
-                                     fold_query_heads=provider.endswith("_folded"))  # fmt: skip
+                                     fold_query_heads_from_batch=FOLD_FROM_BATCH.get(provider))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate
         else:

@@ -50,16 +50,17 @@ def export_generation(
     max_batch_size: int,
     max_seq_len: int,
     options: Mapping[str, Any] | None = None,
-    fold_query_heads: bool = False,
+    fold_query_heads_from_batch: int | None = None,
 ) -> Path:
     """Export ``model`` (an HF causal LM) for generation to the package ``path`` (``.pt2``); returns its path.
 
     ``max_seq_len`` bounds prompt plus generated tokens (the cache's length); ``max_batch_size`` the
     sequences generated together. ``options`` are :func:`inductor_ext.export`'s (the backend's
     ``fastops.*`` options and Inductor config patches). The model runs in its own dtype and device.
-    ``fold_query_heads`` attends on the cache's key/value heads without repeating them
-    (:mod:`inductor_ext.generation.attention`): on the H200, 2.2x faster decode at batch 64 and 1.16x
-    at batch 8, 1.49x slower at batch 1 (Llama-3.2-1B shape); for packages that serve batches.
+    ``fold_query_heads_from_batch``: from that batch, attend on the cache's key/value heads without
+    repeating them (:mod:`inductor_ext.generation.attention`; 1: always, chosen at run time otherwise).
+    On the H200 (Llama-3.2-1B shape) folding decodes 2.2x faster at batch 64 and 1.16x at batch 8, but
+    1.49x slower at batch 1; ``None`` (the default) never folds.
     """
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError(
@@ -113,7 +114,7 @@ def export_generation(
     model.eval()
     try:
         with torch.no_grad():
-            step = GenerationStep(model, fold_query_heads=fold_query_heads)
+            step = GenerationStep(model, fold_query_heads_from_batch=fold_query_heads_from_batch)
             return export(step, tuple(example.values()), path,
                           dynamic_shapes=tuple(dynamic_shapes[name] for name in example), options=patches)  # fmt: skip
     finally:

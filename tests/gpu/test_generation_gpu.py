@@ -1,6 +1,7 @@
 """Generation on a real GPU: a tiny HF Llama's package (``export_generation``) generates transformers'
 tokens in float32 (TF32 off: greedy argmax agrees token for token), its bf16 package's logits are as
-close to float64 as transformers' bf16 eager ones, and static-cache ``generate`` with the decode step
+close to float64 as transformers' bf16 eager ones, a package that folds the query heads from batch 3
+gives transformers' tokens on both sides from Python and C++, and static-cache ``generate`` with the decode step
 under ``fastops_inductor`` (CUDA graphs, ``reduce-overhead``; and ``cpp_wrapper``) gives eager's tokens."""
 
 import pytest
@@ -72,6 +73,22 @@ def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph)
     got = run_generate(path, ids.cpu(), 24, attention_mask=mask.cpu(), device="cuda", cuda_graph=cuda_graph, iters=2)
     torch.testing.assert_close(got.tokens, want, rtol=0, atol=0)
     assert got.decode_ms_per_token > 0
+
+
+def test_a_package_folding_from_batch_3_generates_hf_tokens_from_python_and_cpp(tmp_path):
+    """``fold_query_heads_from_batch=3``: the step's ``torch.cond`` on CUDA, both branches, and under
+    the C++ loop's CUDA graph (captured per batch size)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(torch.float32)
+    path = export_generation(model, tmp_path / "folded.pt2", max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
+                             fold_query_heads_from_batch=3)  # fmt: skip
+    package = load_generation(path)
+    for batch in (1, MAX_BATCH):
+        ids = _prompt(batch, 20, seed=batch)
+        want = _hf(model, ids, 24)
+        torch.testing.assert_close(package.generate(ids, 24, pad_token_id=PAD), want, rtol=0, atol=0)
+        got = run_generate(path, ids.cpu(), 24, device="cuda", cuda_graph=True, iters=2)
+        torch.testing.assert_close(got.tokens, want.cpu(), rtol=0, atol=0)
 
 
 def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path):
