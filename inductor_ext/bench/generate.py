@@ -15,7 +15,8 @@ Providers:
   into one GEMM, and gate/up into one, over concatenated weights).
 - ``package_cpp_folded``: ``package_cpp`` exported with ``fold_query_heads_from_batch=1`` (attention on
   the cache's own key/value heads at every batch size, :mod:`inductor_ext.generation.attention`), and
-  ``package_cpp_folded_from_8`` with ``fold_query_heads_from_batch=8`` (chosen at run time).
+  ``package_cpp_folded_from_8`` with ``fold_query_heads_from_batch=8`` (chosen at run time);
+  ``package_python_folded`` the always-folded package from Python (profiled, as every Python loop).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -52,8 +53,9 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_cpp", "package_cpp_frozen", "package_cpp_folded", "package_cpp_folded_from_8")  # fmt: skip
-FOLD_FROM_BATCH = {"package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
+             "package_python_folded", "package_cpp", "package_cpp_frozen", "package_cpp_folded",
+             "package_cpp_folded_from_8")  # fmt: skip
+FOLD_FROM_BATCH = {"package_python_folded": 1, "package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
 """``export_generation``'s ``fold_query_heads_from_batch`` per provider (the others: ``None``)."""
 
 

@@ -116,14 +116,7 @@ def grouped_query_sdpa(
 def register() -> bool:
     """Register :data:`GROUPED_QUERY_SDPA` with transformers (idempotent); False if this transformers
     has no attention interface."""
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:
-        return False
-    AttentionInterface.register(GROUPED_QUERY_SDPA, grouped_query_sdpa)
-    AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)
-    return True
+    return patched_attention.register_sdpa_variant(GROUPED_QUERY_SDPA, grouped_query_sdpa)
 
 
 @contextmanager

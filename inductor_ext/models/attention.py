@@ -12,6 +12,7 @@ so only for a call whose mask transformers builds as the packed-document mask (`
 dropout or a KV cache keep SDPA on transformers' mask.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,14 +30,21 @@ DOCUMENT_POSITIONS = "fastops_document_positions"
 def register() -> bool:
     """Register :data:`ATTENTION` with transformers (idempotent); False if this transformers has no
     attention or mask interface to register with."""
+    return register_sdpa_variant(ATTENTION, sdpa_or_document_attention)
+
+
+def register_sdpa_variant(name: str, attention: Callable[..., tuple[Tensor, None]]) -> bool:
+    """Register ``attention`` as the ``attn_implementation`` ``name``, its masks built as for ``"sdpa"``
+    (transformers' ``sdpa_mask``); idempotent. False if this transformers has no attention or mask
+    interface to register with."""
     try:
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
-    AttentionInterface.register(ATTENTION, sdpa_or_document_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
     return True
 
 
