@@ -27,10 +27,10 @@ def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem
 def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
     # (the patched model's providers run in test_loss_chunk_size_reaches_the_patched_loss and the --lora,
     # --qlora and --cpp-wrapper tests)
-    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor")
-    assert list(results) == ["hf_eager", "fastops_inductor"]
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "fastops_inductor_no_module_guards")
+    assert list(results) == ["hf_eager", "fastops_inductor", "fastops_inductor_no_module_guards"]
     eager = results["hf_eager"]
-    for ours in (results["fastops_inductor"],):
+    for ours in (results["fastops_inductor"], results["fastops_inductor_no_module_guards"]):
         # the first step, 2 timed ones synchronised each, 2 timed together
         assert len(eager["losses"]) == len(ours["losses"]) == 5
         # same weights and batches in separate processes: the losses agree to bf16 rounding, step after step
@@ -39,6 +39,17 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
     assert all(r["tokens_per_s"] > 0 and r["first_step_s"] > 0 for r in results.values())
     assert all(r["tokens_per_s_unsynced"] > 0 and r["step_ms_unsynced"] > 0 for r in results.values())
     assert "fastops_inductor" in stdout and "x torch.compile" in stdout
+
+
+def test_compile_arguments_resolve_the_guard_filter_and_leave_the_registry_alone():
+    arguments = train.compile_arguments("patched_fastops_inductor_no_module_guards")
+    assert arguments["backend"] == "fastops_inductor"
+    assert arguments["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    arguments["options"].pop("guard_filter_fn")  # what torch.compile does with it
+    assert train.PROVIDERS["patched_fastops_inductor_no_module_guards"]["options"] == {
+        "guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"
+    }
+    assert train.compile_arguments("torch_compile") == {}
 
 
 def test_built_models_match_the_registry_and_are_reproducible():

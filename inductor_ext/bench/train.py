@@ -119,9 +119,13 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_kernel": {"backend": "fastops_inductor", "options": {"fastops.route": "kernel"}},
     "fastops_inductor_no_causal_rewrite": {"backend": "fastops_inductor", "options": {"fastops.causal_mask": False}},
     "fastops_inductor_no_padding": {"backend": "fastops_inductor", "options": {"fastops.assume_no_padding": True}},
+    "fastops_inductor_no_module_guards": {"backend": "fastops_inductor",
+                                          "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
     "liger_eager": None,
     "patched_eager": None,
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
+    "patched_fastops_inductor_no_module_guards": {"backend": "fastops_inductor",
+                                                  "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -166,7 +170,11 @@ tuner fills the tuning database from the model's config before the model is buil
 :func:`inductor_ext.models.keep_lora_mlp_outputs`; ``*_keep_lora``: the fused MLP's and QKV's,
 :func:`inductor_ext.models.keep_lora_outputs`); ``*_packed`` and
 ``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
-``attention_mask`` (compiled with ``dynamic=True``)."""
+``attention_mask`` (compiled with ``dynamic=True``); ``*_no_module_guards`` compile with
+``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` (a ``guard_filter_fn``
+option names a ``torch.compiler`` function): Dynamo stops checking the modules' attributes and
+parameters before each call, which is safe only while none is reassigned and ``train()``/``eval()``
+is not switched after the first call (such a change is not seen: no recompilation)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -272,13 +280,23 @@ def enable_checkpointing(model: torch.nn.Module, context_fn: Callable[[], Any] |
     hf_model.config.use_cache = False
 
 
+def compile_arguments(provider: str) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for a compiled ``provider`` (a fresh copy: ``torch.compile`` pops
+    ``guard_filter_fn`` from its options), with a ``guard_filter_fn`` named in :data:`PROVIDERS` resolved."""
+    arguments = dict(PROVIDERS[provider] or {})
+    if "options" in arguments:
+        options = arguments["options"] = dict(arguments["options"])
+        if isinstance(options.get("guard_filter_fn"), str):
+            options["guard_filter_fn"] = getattr(torch.compiler, options["guard_filter_fn"])
+    return arguments
+
+
 def make_step(
     model: torch.nn.Module, provider: str, attention_mask: str
 ) -> Callable[[torch.Tensor | packing.Batch], torch.Tensor]:
     """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them) or on a
     ``--packed`` run's :class:`~inductor_ext.bench.packing.Batch`; returns the loss."""
-    compile_args = PROVIDERS[provider]
-    forward: Any = model if compile_args is None else torch.compile(model, **compile_args)
+    forward: Any = model if PROVIDERS[provider] is None else torch.compile(model, **compile_arguments(provider))
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
 
