@@ -80,8 +80,9 @@ def grouped_query_sdpa(
     group = heads // kv_heads
 
     # Each branch returns the (b, t, heads, d) output flattened, and reads the traced sizes from its
-    # operands: torch.cond refuses outputs whose strides it cannot prove dense (a 4-D output's are
-    # 64 * Max(1, t) under dynamic shapes), and Dynamo cannot close a branch over a traced size.
+    # operands: torch.cond refuses outputs whose strides it cannot prove dense (a 4-D output's leading
+    # stride is heads * d * Max(1, t) under dynamic shapes), and Dynamo cannot close a branch over a
+    # traced size.
     def folded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
         batch, tokens, rows, slots = query.shape[0], query.shape[2], mask.shape[0], mask.shape[3]
         query = query.reshape(batch, kv_heads, group * tokens, head_dim)
