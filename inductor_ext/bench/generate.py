@@ -55,7 +55,7 @@ from inductor_ext.bench.train import MODELS, build_model
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
              "package_python_folded", "package_cpp", "package_cpp_frozen", "package_cpp_folded",
              "package_cpp_folded_from_8")  # fmt: skip
-FOLD_FROM_BATCH = {"package_python_folded": 1, "package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
+FOLD_QUERY_HEADS_FROM_BATCH = {"package_python_folded": 1, "package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
 """``export_generation``'s ``fold_query_heads_from_batch`` per provider (the others: ``None``)."""
 
 
@@ -142,7 +142,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             options = {"freezing": True} if provider.endswith("_frozen") else None
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq, options=options,
-                                     fold_query_heads_from_batch=FOLD_FROM_BATCH.get(provider))  # fmt: skip
+                                     fold_query_heads_from_batch=FOLD_QUERY_HEADS_FROM_BATCH.get(provider))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate
         else:

@@ -62,7 +62,7 @@ def grouped_query_sdpa(
     run time (``torch.cond``). Calls transformers' SDPA attention unchanged when there is nothing to
     fold (as many key/value heads as query heads, no mask, a per-head mask) or when it must refuse the
     call (softcap)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     from_batch = kwargs.pop(FOLD_FROM_BATCH, 1)
     batch, heads, tokens, head_dim = query.shape
@@ -93,9 +93,7 @@ def grouped_query_sdpa(
         return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous().flatten()
 
     def repeated(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
-        batch, slots = query.shape[0], key.shape[2]
-        key, value = (t[:, :, None].expand(batch, kv_heads, group, slots, head_dim).reshape(batch, heads, slots, head_dim)
-                      for t in (key, value))  # fmt: skip  # transformers' repeat_kv
+        key, value = repeat_kv(key, group), repeat_kv(value, group)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
         )
