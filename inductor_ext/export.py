@@ -83,8 +83,38 @@ def export(
     return Path(package)
 
 
-def load(path: str | Path) -> Any:
-    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``).
+class Package:
+    """A loaded AOTInductor package: call it with arguments shaped as the exported example's.
+
+    An AOTInductor package indexes each tensor input with the strides of the example it was compiled
+    for, without checking them: a strided view such as ``ids[:, :n]`` is read as if it were contiguous
+    (seen as a garbage second row of a prompt slice). Every :func:`export` example here is contiguous, so
+    a call refuses non-contiguous tensors with an error naming the argument, rather than copy them: a copy
+    of an input the package updates in place (a KV cache) would drop the update. Other attributes
+    (``get_metadata``, ...) are the loader's.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+            for index, tensor in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                    where = f"{name}[{index}]" if isinstance(value, (list, tuple)) else name
+                    raise ValueError(
+                        f"inductor_ext package: {where} must be contiguous, got strides {tensor.stride()} for shape "
+                        f"{tuple(tensor.shape)} (the package reads inputs in its example's contiguous layout; "
+                        "call .contiguous() first)"
+                    )
+        return self._runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+def load(path: str | Path) -> Package:
+    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``), as a :class:`Package`.
 
     A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
     g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
@@ -95,4 +125,4 @@ def load(path: str | Path) -> Any:
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
     if carries_static_cxx_runtime(path):
         promote_cxx_runtime()
-    return torch._inductor.aoti_load_package(str(path))
+    return Package(torch._inductor.aoti_load_package(str(path)))

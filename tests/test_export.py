@@ -121,6 +121,18 @@ def test_loaded_package_matches_eager(model, static_package):
     assert rel_err(runner(x2), _eager(model, x2)) < FP32_TOL
 
 
+def test_load_refuses_a_strided_input_that_the_package_would_misread(model, static_package):
+    """A package reads each input in its example's (contiguous) layout without checking; ``load``'s callable
+    names the argument instead. Contiguous inputs pass through unchanged."""
+    _, path, x = static_package
+    run = inductor_ext.load(path)
+    wide = torch.cat([x, x], dim=-1)
+    with pytest.raises(ValueError, match=r"argument 0 must be contiguous, got strides"):
+        run(wide[..., : x.shape[-1]])
+    assert rel_err(run(x), _eager(model, x)) < FP32_TOL
+    assert run.get_metadata() == torch._inductor.aoti_load_package(str(path)).get_metadata()
+
+
 def test_package_runs_in_a_process_without_inductor_ext(model, static_package, tmp_path):
     _, path, x = static_package
     torch.save({"x": x, "expected": _eager(model, x)}, tmp_path / "io.pt")

@@ -14,7 +14,9 @@ import json
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         cubins = sorted(Path(n).name for n in archive.namelist() if n.endswith(".cubin"))
     loaded = inductor_ext.load(package)
 
-    providers = {
+    providers: dict[str, Callable[..., Any]] = {
         "eager": model,
         "torch_compile": torch.compile(model),
         "fastops_backend": torch.compile(model, backend="fastops_inductor"),

@@ -13,10 +13,8 @@ Providers:
 - ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
   constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
   into one GEMM, and gate/up into one, over concatenated weights).
-- ``package_cpp_folded``: ``package_cpp`` exported with ``fold_query_heads_from_batch=1`` (attention on
-  the cache's own key/value heads at every batch size, :mod:`inductor_ext.generation.attention`), and
-  ``package_cpp_folded_from_8`` with ``fold_query_heads_from_batch=8`` (chosen at run time);
-  ``package_python_folded`` the always-folded package from Python (profiled, as every Python loop).
+- ``package_cpp_folded_sdpa`` and ``package_cpp_decode_attention``: ``package_cpp`` exported with
+  ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.generation.attention`).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -53,10 +51,9 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_python_folded", "package_cpp", "package_cpp_frozen", "package_cpp_folded",
-             "package_cpp_folded_from_8")  # fmt: skip
-FOLD_QUERY_HEADS_FROM_BATCH = {"package_python_folded": 1, "package_cpp_folded": 1, "package_cpp_folded_from_8": 8}
-"""``export_generation``'s ``fold_query_heads_from_batch`` per provider (the others: ``None``)."""
+             "package_cpp", "package_cpp_folded_sdpa", "package_cpp_decode_attention", "package_cpp_frozen")  # fmt: skip
+ATTENTION = {"package_cpp_folded_sdpa": "folded_sdpa", "package_cpp_decode_attention": "decode_attention"}
+"""``export_generation``'s ``attention`` per provider (the others: ``"sdpa"``)."""
 
 
 def _sync(device: str) -> None:
@@ -142,7 +139,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
             options = {"freezing": True} if provider.endswith("_frozen") else None
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq, options=options,
-                                     fold_query_heads_from_batch=FOLD_QUERY_HEADS_FROM_BATCH.get(provider))  # fmt: skip
+                                     attention=ATTENTION.get(provider, "sdpa"))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate
         else:

@@ -1,29 +1,33 @@
-"""The generation step's optional attention: grouped-query SDPA over the cache, with no ``repeat_kv``.
+"""The generation step's attention choices, ``export_generation(..., attention=...)``: transformers' own
+(``"sdpa"``, the default), or one of two that read the cache's own key/value heads.
 
-With a mask (the step always passes one) transformers' SDPA attention repeats each key/value head
-for the query heads that share it (``repeat_kv``) whenever it is traced, so a compiled or exported
-step writes and reads the whole cache ``heads / kv_heads`` times over in each layer.
+With a mask (the step always passes one) transformers' SDPA attention repeats each key/value head for
+the query heads that share it (``repeat_kv``) whenever it is traced, so a compiled or exported step
+copies the whole filled cache ``heads / kv_heads`` times over in each layer before SDPA reads it again:
+at a decode step of the Llama-3.2-1B shape after a 2048-token prompt on the H200, 144 us a token at
+batch 1 (with 164 us of cuDNN attention) and most of the step at batch 64.
 
-:func:`grouped_query_sdpa` folds the query heads of a group into the query rows instead: query
-``(b, kv_heads * g, t, d)`` becomes ``(b, kv_heads, g * t, d)`` (row ``j * t + i`` is head ``j`` of the
-group, token ``i``), the ``(b, 1, t, s)`` mask is repeated ``g`` times along its rows to match, and
-SDPA runs on the cache's own ``(b, kv_heads, s, d)`` keys and values. Every query row attends to the
-same keys under the same mask as before: the same attention, as ``g``-times fewer, ``g``-times taller
-problems. At a decode step (``t = 1``) the fold is a view of the query and the repeated mask is
-``g * s`` booleans a row. Recent transformers do the same for ``t = 1``, in eager mode only (``pack_gqa``).
+- ``"folded_sdpa"`` (:func:`folded_sdpa`): the query heads of a group become query rows, query
+  ``(b, kv_heads * g, t, d)`` -> ``(b, kv_heads, g * t, d)`` (row ``j * t + i`` is head ``j`` of the
+  group, token ``i``), the ``(b, 1, t, s)`` mask is repeated ``g`` times along its rows to match, and
+  SDPA runs on the cache's ``(b, kv_heads, s, d)`` keys and values: the same attention, as ``g``-times
+  fewer, ``g``-times taller problems. Measured (C++ loop): decode 12.96 -> 5.88 ms a token at batch 64,
+  2.98 -> 2.56 at batch 8, but 1.66 -> 2.47 at batch 1, where cuDNN runs one program per key/value head
+  (8) and takes 1.09 ms a token.
+- ``"decode_attention"`` (:func:`decode_kernel_attention`): our decode-attention op
+  (:mod:`inductor_ext.ops.decode_attention`), split over the cache, for the prefill and every decode
+  step (one op for any token count: the exported step, one graph with a symbolic token count, needs no
+  run-time branch). Measured: decode 1.66 -> 1.62 ms at batch 1, 2.98 -> 2.85 at batch 8, 12.96 -> 12.04
+  at batch 64, but the prefill 13.1 -> 22.4 ms at batch 1 and 813 -> 1273 ms at batch 64: its kernels
+  are far from the copy bandwidth yet.
 
-It is opt-in (``export_generation(..., fold_query_heads_from_batch=n)``) because it trades batch-1
-speed for batched speed. Measured on the H200 (Llama-3.2-1B shape, 2048-token prompt, decode from
-the C++ loop, folding at every batch): batch 64 12.96 -> 5.88 ms a token, batch 8 2.98 -> 2.56, but
-batch 1 1.66 -> 2.47. Its batch-1 cost, about 50 us a layer, was not profiled; which SDPA kernel
-Inductor picks for 8 heads of 4 rows against 32 heads of 1 row is the first suspect. With ``n > 1``
-and a traced batch the step chooses at run time (``torch.cond``: folded from ``n`` rows, repeated
-below), so one package can fold for batches and not for a single sequence; that choice has not been
-timed on the H200.
+A ``torch.cond`` choosing per call (folded from some batch, or the decode op for one token and SDPA
+for a prompt) gave wrong tokens and an illegal memory access in AOTInductor packages on the H200
+(torch 2.11), so each choice is one code path for every call.
 
-:func:`grouped_query_attention` switches a model to it for the duration of a call, when the model
-runs SDPA (``"sdpa"``, or :mod:`inductor_ext.models.attention`'s, which on a KV cache is SDPA);
-other implementations (eager, flash attention) are the user's choice and are left alone.
+:func:`generation_attention` switches a model to a choice for the duration of a call, when the model
+runs SDPA (``"sdpa"``, or :mod:`inductor_ext.models.attention`'s, which on a KV cache is SDPA); other
+implementations (eager, flash attention) are the user's choice and are left alone.
 """
 
 from collections.abc import Iterator
@@ -34,18 +38,31 @@ import torch
 from torch import Tensor, nn
 
 from inductor_ext.models import attention as patched_attention
+from inductor_ext.ops.decode_attention import SUPPORTED_DTYPES, decode_attention
 
-GROUPED_QUERY_SDPA = "fastops_grouped_query_sdpa"
-"""The ``attn_implementation`` name of :func:`grouped_query_sdpa`."""
+ATTENTION_CHOICES = ("sdpa", "folded_sdpa", "decode_attention")
+"""``export_generation``'s ``attention`` values."""
 
-FOLD_FROM_BATCH = "fastops_fold_from_batch"
-"""Keyword argument (through the decoder to each attention call): the batch from which
-:func:`grouped_query_sdpa` folds; below it, it repeats the key/value heads as transformers does."""
+_REGISTERED = {"folded_sdpa": "fastops_folded_sdpa", "decode_attention": "fastops_decode_attention"}
+"""Choice -> its ``attn_implementation`` name in transformers' attention interface."""
 
 _SDPA_IMPLEMENTATIONS = ("sdpa", patched_attention.ATTENTION)
 
 
-def grouped_query_sdpa(
+def _transformers_sdpa_needed(query: Tensor, attention_mask: Tensor | None, dropout: float, kwargs: dict) -> bool:
+    """What the two choices do not take: no mask, a float or per-head mask, dropout, softcap, float64."""
+    return (
+        attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or bool(dropout)
+        or kwargs.get("softcap") is not None
+        or query.dtype not in SUPPORTED_DTYPES
+    )
+
+
+def folded_sdpa(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -57,77 +74,71 @@ def grouped_query_sdpa(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention-interface signature: ``(b, heads, t, d)`` query, ``(b, kv_heads, s, d)``
-    key and value, ``(b or 1, 1, t, s)`` mask in; ``(b, t, heads, d)`` out (module docstring). Folds
-    from :data:`FOLD_FROM_BATCH` rows (default 1: always); with a traced batch the choice is made at
-    run time (``torch.cond``). Calls transformers' SDPA attention unchanged when there is nothing to
-    fold (as many key/value heads as query heads, no mask, a per-head mask) or when it must refuse the
-    call (softcap)."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    key and value, ``(b or 1, 1, t, s)`` boolean mask in; ``(b, t, heads, d)`` out. The query heads of
+    a group folded into query rows (module docstring); transformers' SDPA attention when there is nothing
+    to fold (as many key/value heads as query heads) or a call it does not take."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from_batch = kwargs.pop(FOLD_FROM_BATCH, 1)
     batch, heads, tokens, head_dim = query.shape
     kv_heads = key.shape[1]
-    if (
-        heads == kv_heads
-        or attention_mask is None
-        or attention_mask.dim() != 4
-        or attention_mask.shape[1] != 1
-        or kwargs.get("softcap") is not None
-    ):
+    if heads == kv_heads or _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    group = heads // kv_heads
+    assert attention_mask is not None  # checked above
+    group, rows, slots = heads // kv_heads, attention_mask.shape[0], attention_mask.shape[3]
+    folded = query.reshape(batch, kv_heads, group * tokens, head_dim)
+    mask = attention_mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous(), None
 
-    # Each branch returns the (b, t, heads, d) output flattened, and reads the traced sizes from its
-    # operands: torch.cond refuses outputs whose strides it cannot prove dense (a 4-D output's leading
-    # stride is heads * d * Max(1, t) under dynamic shapes), and Dynamo cannot close a branch over a
-    # traced size.
-    def folded(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
-        batch, tokens, rows, slots = query.shape[0], query.shape[2], mask.shape[0], mask.shape[3]
-        query = query.reshape(batch, kv_heads, group * tokens, head_dim)
-        mask = mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+
+def decode_kernel_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-interface signature: ``(b, heads, t, d)`` query, ``(b, kv_heads, s, d)``
+    key and value (the cache), ``(b or 1, 1, t, s)`` boolean mask in; ``(b, t, heads, d)`` out (module
+    docstring): our decode-attention op on the cache's own heads; transformers' SDPA attention for a
+    call it does not take."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, _, tokens, _ = query.shape
+    if _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-        return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous().flatten()
-
-    def repeated(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
-        key, value = repeat_kv(key, group), repeat_kv(value, group)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
-        )
-        return out.transpose(1, 2).contiguous().flatten()
-
-    if from_batch <= 1:
-        out = folded(query, key, value, attention_mask)
-    elif isinstance(batch, int):  # eager, or a static batch: the branch is known now
-        out = (folded if batch >= from_batch else repeated)(query, key, value, attention_mask)
-    else:
-        # contiguous operands: with a strided query, Inductor's C++ wrapper (AOTInductor, torch 2.13,
-        # CPU) gave the branch a buffer in another layout than the one it was compiled for (wrong
-        # attention; its Python wrapper was right)
-        operands = (query.contiguous(), key, value, attention_mask.contiguous())
-        out = torch.cond(batch >= from_batch, folded, repeated, operands)
-    return out.view(batch, tokens, heads, head_dim), None
+    assert attention_mask is not None  # checked above
+    out = decode_attention(query, key, value, attention_mask[:, 0].expand(batch, tokens, key.shape[2]), scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> bool:
-    """Register :data:`GROUPED_QUERY_SDPA` with transformers (idempotent); False if this transformers
-    has no attention interface."""
-    return patched_attention.register_sdpa_variant(GROUPED_QUERY_SDPA, grouped_query_sdpa)
+_FUNCTIONS = {"folded_sdpa": folded_sdpa, "decode_attention": decode_kernel_attention}
 
 
 @contextmanager
-def grouped_query_attention(model: nn.Module) -> Iterator[bool]:
-    """Run ``model``'s attention as :func:`grouped_query_sdpa` inside the block, if it runs SDPA;
-    yields whether it does."""
+def generation_attention(model: nn.Module, choice: str) -> Iterator[bool]:
+    """Run ``model``'s attention as ``choice`` (one of :data:`ATTENTION_CHOICES`) inside the block, if
+    the model runs SDPA and the choice is not ``"sdpa"``; yields whether it switched."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {choice!r}")
     config: Any = model.config
     current = getattr(config, "_attn_implementation", None)
-    if current not in _SDPA_IMPLEMENTATIONS or not register():
+    if choice == "sdpa" or current not in _SDPA_IMPLEMENTATIONS:
         yield False
         return
-    config._attn_implementation = GROUPED_QUERY_SDPA
+    name = _REGISTERED[choice]
+    if not patched_attention.register_sdpa_variant(name, _FUNCTIONS[choice]):
+        yield False
+        return
+    config._attn_implementation = name
     try:
         yield True
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from inductor_ext.export import export
+from inductor_ext.generation.attention import ATTENTION_CHOICES
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import encode
 from inductor_ext.generation.step import GenerationStep
@@ -50,18 +51,24 @@ def export_generation(
     max_batch_size: int,
     max_seq_len: int,
     options: Mapping[str, Any] | None = None,
-    fold_query_heads_from_batch: int | None = None,
+    attention: str = "sdpa",
 ) -> Path:
     """Export ``model`` (an HF causal LM) for generation to the package ``path`` (``.pt2``); returns its path.
 
     ``max_seq_len`` bounds prompt plus generated tokens (the cache's length); ``max_batch_size`` the
     sequences generated together. ``options`` are :func:`inductor_ext.export`'s (the backend's
     ``fastops.*`` options and Inductor config patches). The model runs in its own dtype and device.
-    ``fold_query_heads_from_batch``: from that batch, attend on the cache's key/value heads without
-    repeating them (:mod:`inductor_ext.generation.attention`; 1: always, chosen at run time otherwise).
-    On the H200 (Llama-3.2-1B shape) folding decodes 2.2x faster at batch 64 and 1.16x at batch 8, but
-    1.49x slower at batch 1; ``None`` (the default) never folds.
+    ``attention`` (for a model that runs SDPA; :mod:`inductor_ext.generation.attention`): ``"sdpa"``
+    (default), transformers' SDPA attention, which repeats the key/value heads of a grouped-query model;
+    ``"folded_sdpa"``, SDPA on the cache's own key/value heads with the query heads folded into rows;
+    ``"decode_attention"``, our decode-attention op. On the H200 (Llama-3.2-1B shape, 2048-token prompt,
+    C++ loop) ``"folded_sdpa"`` decodes 2.2x faster at batch 64 and 1.16x at batch 8 but 1.49x slower at
+    batch 1; ``"decode_attention"`` decodes 2-7% faster at every batch but prefills 1.6x slower.
     """
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"export_generation: attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {attention!r}"
+        )
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError(
             f"export_generation: max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"
@@ -114,7 +121,7 @@ def export_generation(
     model.eval()
     try:
         with torch.no_grad():
-            step = GenerationStep(model, fold_query_heads_from_batch=fold_query_heads_from_batch)
+            step = GenerationStep(model, attention=attention)
             return export(step, tuple(example.values()), path,
                           dynamic_shapes=tuple(dynamic_shapes[name] for name in example), options=patches)  # fmt: skip
     finally:

@@ -92,7 +92,7 @@ class GenerationPackage:
         if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
             raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
         batch, length = input_ids.shape
-        input_ids = input_ids.to(self.device)
+        input_ids = input_ids.to(self.device).contiguous()  # e.g. a slice ids[:, :n]: the package reads it dense
         if streamer is not None:
             streamer.put(input_ids.cpu())
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device, torch.long)

@@ -16,13 +16,11 @@ H200: 9.9 ms a decode step at batch 8 for the Llama-3.2-1B shape, 14× the bandw
 Masking is explicit: slot ``j`` of the cache is visible to the token at slot ``i`` iff ``j <= i`` and
 ``attention_mask[b, j]`` is 1. With a left-padded batch this is exactly what transformers'
 ``generate`` computes (``position_ids`` count only real tokens, padding slots are never attended);
-the boolean mask is passed to the model as a 4-D mask, which transformers uses as is. With
-``fold_query_heads_from_batch`` a model that runs SDPA attends through
-:func:`~inductor_ext.generation.attention.grouped_query_sdpa`, which from that batch reads the cache's
-key/value heads as they are instead of repeating them for each query head.
+the boolean mask is passed to the model as a 4-D mask, which transformers uses as is. A model that
+runs SDPA attends as ``attention`` chooses (:mod:`inductor_ext.generation.attention`): transformers'
+SDPA attention by default, or attention on the cache's own key/value heads.
 """
 
-import contextlib
 import inspect
 from typing import Any
 
@@ -30,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from inductor_ext.generation.attention import FOLD_FROM_BATCH, grouped_query_attention
+from inductor_ext.generation.attention import ATTENTION_CHOICES, generation_attention
 
 
 class SlotLayer(CacheLayerMixin):
@@ -83,20 +81,15 @@ class GenerationStep(nn.Module):
       in place (:func:`inductor_ext.generation.cache_layout.layer_caches`).
     - returns ``(b, vocab)`` float32: the logits of each row's last new token.
 
-    ``fold_query_heads_from_batch``: attend through :func:`~inductor_ext.generation.attention.grouped_query_sdpa`,
-    folding from that many rows (1: always); ``None``: transformers' attention as the model has it.
+    ``attention``: one of :data:`~inductor_ext.generation.attention.ATTENTION_CHOICES` (``"sdpa"``:
+    transformers' attention as the model has it).
     """
 
-    def __init__(self, model: nn.Module, *, fold_query_heads_from_batch: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, attention: str = "sdpa") -> None:
         super().__init__()
-        if fold_query_heads_from_batch is not None and (
-            isinstance(fold_query_heads_from_batch, bool) or not isinstance(fold_query_heads_from_batch, int)
-            or fold_query_heads_from_batch < 1
-        ):  # fmt: skip
-            raise ValueError(
-                f"fold_query_heads_from_batch must be None or an int >= 1, got {fold_query_heads_from_batch!r}"
-            )
-        self.model, self.fold_from_batch = model, fold_query_heads_from_batch
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {attention!r}")
+        self.model, self.attention = model, attention
         parameters = inspect.signature(model.forward).parameters
         # transformers >= 5.20 names the cache argument ``cache`` (``past_key_values`` deprecated) and has
         # no ``cache_position``; older versions compute it from the cache's length unless it is passed
@@ -116,10 +109,7 @@ class GenerationStep(nn.Module):
         kwargs: dict[str, Any] = {self.cache_argument: SlotCache(kv_cache, cache_position)}
         if self.takes_cache_position:
             kwargs["cache_position"] = cache_position
-        folding = grouped_query_attention(self.model) if self.fold_from_batch else contextlib.nullcontext(False)
-        with folding as folded:
-            if folded:
-                kwargs[FOLD_FROM_BATCH] = self.fold_from_batch
+        with generation_attention(self.model, self.attention):
             logits = self.model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=visible, use_cache=True, logits_to_keep=1,
                 **kwargs,

@@ -235,7 +235,7 @@ def _is_tensor_type(schema_type: Any) -> bool:
 
 def _traces_math(qualname: str, args: Sequence[Any]) -> bool:
     choose_math = _math_route.get()
-    return choose_math is not None and choose_math(qualname, args)
+    return choose_math is not None and qualname in FAMILY_OF and choose_math(qualname, args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +329,30 @@ def define_opaque_mutating_op(name: str, fn: Callable[..., Any], *, mutates: Seq
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=tuple(mutates))._opoverload
     return _mutating_op(op, lambda args: fn(*args), mutates, aten_body=fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceOp:
+    """A registered op with no autograd formula (inference only: a gradient through it is refused),
+    called directly in plain eager and through the registered op when anything traces."""
+
+    op: OpOverload
+    run_direct: Callable[..., Any]
+    tensor_args: tuple[int, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        if use_eager_bypass([args[i] for i in self.tensor_args]):
+            return self.run_direct(*args)
+        return self.op(*args)
+
+
+def define_inference_op(name: str, *, math: Callable[..., Any], kernels: Callable[..., Any]) -> InferenceOp:
+    """Register ``fastops::{name}``, an op without a backward (:func:`define_op_family`'s conventions
+    for ``math`` and ``kernels``). It belongs to no family: the backend has no route to choose for it,
+    and its body traces the kernels on a GPU, the math elsewhere."""
+    op = _define_op(name, math, kernels)
+    tensor_args = tuple(i for i, a in enumerate(op._schema.arguments) if _is_tensor_type(a.type))
+    return InferenceOp(op, lambda *args: _run_direct(math, kernels, args), tensor_args)
 
 
 def _mutating_op(

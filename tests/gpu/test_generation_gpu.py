@@ -1,8 +1,9 @@
-"""Generation on a real GPU: a tiny HF Llama's package (``export_generation``) generates transformers'
-tokens in float32 (TF32 off: greedy argmax agrees token for token), its bf16 package's logits are as
-close to float64 as transformers' bf16 eager ones, a package that folds the query heads from batch 3
-gives transformers' tokens on both sides from Python and C++, and static-cache ``generate`` with the decode step
-under ``fastops_inductor`` (CUDA graphs, ``reduce-overhead``; and ``cpp_wrapper``) gives eager's tokens."""
+"""Generation on a real GPU: a tiny HF Llama's package (``export_generation``, with each attention choice:
+transformers' SDPA, folded SDPA, our decode-attention op) generates transformers' tokens in float32 (TF32
+off: greedy argmax agrees token for token), from Python and from the C++ loop; its bf16 package's logits
+are as close to float64 as transformers' bf16 eager ones at the prefill and at a decode step; and
+static-cache ``generate`` with the decode step under ``fastops_inductor`` (CUDA graphs,
+``reduce-overhead``; and ``cpp_wrapper``) gives eager's tokens."""
 
 import pytest
 import torch
@@ -42,12 +43,12 @@ def _hf(model, ids, new, **kwargs):
         return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def float32_package(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sdpa", "folded_sdpa", "decode_attention"])
+def float32_package(request, tmp_path_factory):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(torch.float32)
     return model, export_generation(model, tmp_path_factory.mktemp("gen") / "g.pt2", max_batch_size=MAX_BATCH,
-                                    max_seq_len=MAX_SEQ)  # fmt: skip
+                                    max_seq_len=MAX_SEQ, attention=request.param)  # fmt: skip
 
 
 def test_float32_package_generates_hf_tokens(float32_package):
@@ -75,37 +76,27 @@ def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph)
     assert got.decode_ms_per_token > 0
 
 
-def test_a_package_folding_from_batch_3_generates_hf_tokens_from_python_and_cpp(tmp_path):
-    """``fold_query_heads_from_batch=3``: the step's ``torch.cond`` on CUDA, both branches, and under
-    the C++ loop's CUDA graph (captured per batch size)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = _model(torch.float32)
-    path = export_generation(model, tmp_path / "folded.pt2", max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
-                             fold_query_heads_from_batch=3)  # fmt: skip
-    package = load_generation(path)
-    for batch in (1, MAX_BATCH):
-        ids = _prompt(batch, 20, seed=batch)
-        want = _hf(model, ids, 24)
-        torch.testing.assert_close(package.generate(ids, 24, pad_token_id=PAD), want, rtol=0, atol=0)
-        got = run_generate(path, ids.cpu(), 24, device="cuda", cuda_graph=True, iters=2)
-        torch.testing.assert_close(got.tokens, want.cpu(), rtol=0, atol=0)
-
-
-def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "folded_sdpa", "decode_attention"])
+def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path, attention):
     model = _model(torch.bfloat16)
     exact = _model(torch.float64)
     exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     package = load_generation(export_generation(model, tmp_path / "g.pt2", max_batch_size=MAX_BATCH,
-                                                max_seq_len=MAX_SEQ))  # fmt: skip
-    ids = _prompt(2, 33)
-    inputs = (ids, torch.arange(33, device="cuda").expand(2, 33), torch.arange(33, device="cuda"),
-              torch.ones(2, MAX_SEQ, dtype=torch.long, device="cuda"))  # fmt: skip
+                                                max_seq_len=MAX_SEQ, attention=attention))  # fmt: skip
+    ids = _prompt(2, 34)
+    long = {"dtype": torch.long, "device": "cuda"}
+    prefill = (ids[:, :33].contiguous(), torch.arange(33, **long).expand(2, 33).contiguous(), torch.arange(33, **long),
+               torch.ones(2, MAX_SEQ, **long))  # fmt: skip
+    decode = (ids[:, 33:].contiguous(), torch.full((2, 1), 33, **long), torch.tensor([33], **long), prefill[3])
+    shape = kv_cache_shape(model.config, 2, MAX_SEQ)
+    ours_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.bfloat16), 2)
+    exact_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.float64), 2)
     with torch.no_grad():
-        shape = kv_cache_shape(model.config, 2, MAX_SEQ)
-        ours = package.step(*inputs, layer_caches(torch.zeros(shape, device="cuda", dtype=torch.bfloat16), 2))
-        truth = GenerationStep(exact)(*inputs, layer_caches(torch.zeros(shape, device="cuda", dtype=torch.float64), 2))
-        hf = model(ids).logits[:, -1].float()
-    assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3
+        for inputs, hf_tokens in ((prefill, 33), (decode, 34)):
+            ours = package.step(*inputs, ours_cache)
+            truth = GenerationStep(exact)(*inputs, exact_cache)
+            hf = model(ids[:, :hf_tokens]).logits[:, -1].float()
+            assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3, hf_tokens
 
 
 @pytest.mark.parametrize(
