@@ -25,6 +25,7 @@ OPS += ["layer_norm"]
 OPS += ["cross_entropy", "fused_linear_cross_entropy"]
 OPS += ["glu", "rope"]
 OPS += ["nf4_dequantize"]
+OPS += ["decode_attention"]
 
 
 MODEL_BENCHES = {
