@@ -22,8 +22,10 @@ batch 1 (with 164 us of cuDNN attention) and most of the step at batch 64.
   are far from the copy bandwidth yet.
 
 A ``torch.cond`` choosing per call (folded from some batch, or the decode op for one token and SDPA
-for a prompt) gave wrong tokens and an illegal memory access in AOTInductor packages on the H200
-(torch 2.11), so each choice is one code path for every call.
+for a prompt) did not survive export on the H200 (torch 2.11): Dynamo refuses a branch's key and value
+operands when they are views of one cache (aliasing), and with separate example tensors instead the
+package gave wrong tokens and an illegal memory access (which of the two changes caused that was not
+isolated). So each choice is one code path for every call.
 
 :func:`generation_attention` switches a model to a choice for the duration of a call, when the model
 runs SDPA (``"sdpa"``, or :mod:`inductor_ext.models.attention`'s, which on a KV cache is SDPA); other
