@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.generation.attention import sdpa_on_cache_heads
 from inductor_ext.ops.decode_attention import decode_attention
 
 SHAPES = [(1, 32, 8, 2112, 64), (8, 32, 8, 2112, 64), (64, 32, 8, 2112, 64), (1, 32, 8, 32768, 128)]
@@ -31,25 +32,26 @@ def _make_inputs(
     def make() -> Inputs:
         query = torch.randn(batch, 1, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
         key, value = (torch.randn(batch, kv_heads, slots, dim, device="cuda", dtype=dtype) for _ in range(2))
-        mask = torch.ones(batch, 1, slots, dtype=torch.bool, device="cuda")
+        mask = torch.ones(batch, 1, 1, slots, dtype=torch.bool, device="cuda")  # as transformers passes it
         return {"query": query, "key": key, "value": value, "mask": mask}
 
     return make
 
 
 def _repeated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' traced SDPA attention: every key/value head repeated for its query heads."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
     group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None])
+    return F.scaled_dot_product_attention(query, repeat_kv(key, group), repeat_kv(value, group), attn_mask=mask)
 
 
 def _folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    batch, heads, tokens, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    rows = query.reshape(batch, kv_heads, group * tokens, dim)
-    folded_mask = mask[:, None].expand(batch, 1, group * tokens, mask.shape[-1])
-    return F.scaled_dot_product_attention(rows, key, value, attn_mask=folded_mask).reshape(batch, heads, tokens, dim)
+    return sdpa_on_cache_heads(query, key, value, mask, None)
+
+
+def _ours(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return decode_attention(query, key, value, mask[:, 0])
 
 
 def _provider(f: Callable[..., torch.Tensor]) -> Callable[[Inputs], Callable[[], Any]]:
@@ -64,7 +66,7 @@ def providers() -> list[Provider]:
     return [
         Provider("torch_compile", _provider(torch.compile(_repeated, fullgraph=True))),
         Provider("folded_sdpa", _provider(torch.compile(_folded, fullgraph=True))),
-        Provider("fastops", _provider(decode_attention)),
+        Provider("fastops", _provider(_ours)),
     ]
 
 

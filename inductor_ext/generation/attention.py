@@ -43,12 +43,18 @@ from inductor_ext.models import attention as patched_attention
 from inductor_ext.ops.decode_attention import SUPPORTED_DTYPES, decode_attention
 
 ATTENTION_CHOICES = ("sdpa", "folded_sdpa", "decode_attention")
-"""``export_generation``'s ``attention`` values."""
-
-_REGISTERED = {"folded_sdpa": "fastops_folded_sdpa", "decode_attention": "fastops_decode_attention"}
-"""Choice -> its ``attn_implementation`` name in transformers' attention interface."""
+"""``export_generation``'s ``attention`` values; each but ``"sdpa"`` is registered with transformers as
+``"fastops_<choice>"``."""
 
 _SDPA_IMPLEMENTATIONS = ("sdpa", patched_attention.ATTENTION)
+
+
+def check_attention_choice(choice: object, caller: str) -> None:
+    """A clear error naming ``caller`` unless ``choice`` is one of :data:`ATTENTION_CHOICES`."""
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"{caller}: attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {choice!r}"
+        )
 
 
 def _transformers_sdpa_needed(query: Tensor, attention_mask: Tensor | None, dropout: float, kwargs: dict) -> bool:
@@ -62,6 +68,19 @@ def _transformers_sdpa_needed(query: Tensor, attention_mask: Tensor | None, drop
         or kwargs.get("softcap") is not None
         or query.dtype not in SUPPORTED_DTYPES
     )
+
+
+def sdpa_on_cache_heads(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """SDPA of ``(b, heads, t, d)`` queries on ``(b, kv_heads, s, d)`` keys and values with a
+    ``(b or 1, 1, t, s)`` mask, the query heads of a group folded into query rows (module docstring);
+    ``(b, heads, t, d)`` out."""
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group, rows, slots = heads // kv_heads, mask.shape[0], mask.shape[3]
+    folded = query.reshape(batch, kv_heads, group * tokens, head_dim)
+    mask = mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, tokens, head_dim)
 
 
 def folded_sdpa(
@@ -81,18 +100,12 @@ def folded_sdpa(
     to fold (as many key/value heads as query heads) or a call it does not take."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch, heads, tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if heads == kv_heads or _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
+    if query.shape[1] == key.shape[1] or _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     assert attention_mask is not None  # checked above
-    group, rows, slots = heads // kv_heads, attention_mask.shape[0], attention_mask.shape[3]
-    folded = query.reshape(batch, kv_heads, group * tokens, head_dim)
-    mask = attention_mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
-    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous(), None
+    return sdpa_on_cache_heads(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
 def decode_kernel_attention(
@@ -122,22 +135,22 @@ def decode_kernel_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-_FUNCTIONS = {"folded_sdpa": folded_sdpa, "decode_attention": decode_kernel_attention}
+_VARIANTS = {"folded_sdpa": folded_sdpa, "decode_attention": decode_kernel_attention}
+"""Each choice but ``"sdpa"`` -> its attention function."""
 
 
 @contextmanager
 def generation_attention(model: nn.Module, choice: str) -> Iterator[bool]:
     """Run ``model``'s attention as ``choice`` (one of :data:`ATTENTION_CHOICES`) inside the block, if
     the model runs SDPA and the choice is not ``"sdpa"``; yields whether it switched."""
-    if choice not in ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {choice!r}")
+    check_attention_choice(choice, "generation_attention")
     config: Any = model.config
     current = getattr(config, "_attn_implementation", None)
     if choice == "sdpa" or current not in _SDPA_IMPLEMENTATIONS:
         yield False
         return
-    name = _REGISTERED[choice]
-    if not patched_attention.register_sdpa_variant(name, _FUNCTIONS[choice]):
+    name = f"fastops_{choice}"
+    if not patched_attention.register_sdpa_variant(name, _VARIANTS[choice]):
         yield False
         return
     config._attn_implementation = name

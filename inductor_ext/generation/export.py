@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from inductor_ext.export import export
-from inductor_ext.generation.attention import ATTENTION_CHOICES
+from inductor_ext.generation.attention import check_attention_choice
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import encode
 from inductor_ext.generation.step import GenerationStep
@@ -65,10 +65,7 @@ def export_generation(
     C++ loop) ``"folded_sdpa"`` decodes 2.2x faster at batch 64 and 1.16x at batch 8 but 1.49x slower at
     batch 1; ``"decode_attention"`` decodes 2-7% faster at every batch but prefills 1.6x slower.
     """
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(
-            f"export_generation: attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {attention!r}"
-        )
+    check_attention_choice(attention, "export_generation")
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError(
             f"export_generation: max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from inductor_ext.generation.attention import ATTENTION_CHOICES, generation_attention
+from inductor_ext.generation.attention import check_attention_choice, generation_attention
 
 
 class SlotLayer(CacheLayerMixin):
@@ -87,8 +87,7 @@ class GenerationStep(nn.Module):
 
     def __init__(self, model: nn.Module, *, attention: str = "sdpa") -> None:
         super().__init__()
-        if attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {attention!r}")
+        check_attention_choice(attention, "GenerationStep")
         self.model, self.attention = model, attention
         parameters = inspect.signature(model.forward).parameters
         # transformers >= 5.20 names the cache argument ``cache`` (``past_key_values`` deprecated) and has
