@@ -4,7 +4,7 @@
 decides each fastops call's route as the ``fastops_inductor`` backend does (our
 Triton kernels, compiled into the package as cubins, or Inductor's code from the op's
 math; the tuning database is read when it has the shapes), and compiles the program
-into a ``.pt2`` package with ``aoti_compile_and_package``. Packages run from Python
+into a ``.pt2`` package (``aot_compile``, ``package_aoti``). Packages run from Python
 (:func:`load`) or from C++ with no Python (:mod:`inductor_ext.cpp_runner`).
 """
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor.package import package_aoti
+from torch.export.pt2_archive._package import load_pt2
 
 from inductor_ext import _compat
 from inductor_ext.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
@@ -35,6 +37,49 @@ _EXPORT_FAILURES = (
 )
 
 
+def export_program(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` with our checks and errors (:class:`ExportError` where the graph breaks)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"inductor_ext.export: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"inductor_ext.export: args must be a tuple of example inputs, got {type(args).__name__}")
+    try:
+        return torch.export.export(model, args, kwargs=dict(kwargs or {}), dynamic_shapes=dynamic_shapes)
+    except _EXPORT_FAILURES as error:
+        raise ExportError(
+            f"inductor_ext.export: {type(model).__name__} cannot be exported as one graph "
+            f"({type(error).__name__}); torch.export says:\n{error}"
+        ) from error
+
+
+def compile_program(program: torch.export.ExportedProgram, options: Mapping[str, Any] | None = None) -> list[Any]:
+    """AOTInductor's files for ``program`` (what ``torch._inductor.package.package_aoti`` bundles as one
+    model of a package), with our graph rewrites and route decisions; ``options`` as :func:`export`'s."""
+    ours, inductor_options = parse_options(options, default_multi_kernel=None)
+    if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
+        rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
+    if ours.document_mask:  # packed position_ids: block-sparse document attention, as under the backend
+        rewrite_document_masks(program.graph_module)
+    patches = {**inductor_options, **ours.inductor_patches(), "aot_inductor.package": True}
+    # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
+    # time explicitly: multi-kernel asserts without it on some versions
+    patches.pop("cpp_wrapper", None)
+    patches.setdefault("triton.autotune_at_compile_time", True)
+    planner = RoutePlanner(ours, TuningDatabase())
+    planner.plan_graph(program.graph_module)
+    args, kwargs = program.example_inputs or ((), {})
+    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
+        files = torch._inductor.aot_compile(program.module(), args, kwargs, options=patches)
+    assert isinstance(files, list), "aot_compile with aot_inductor.package returns the package's files"
+    return files
+
+
 def export(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -51,36 +96,14 @@ def export(
     at export: every route decision and every kernel config, chosen at the example
     shapes; Inductor's multi-kernel is off unless ``fastops.multi_kernel`` is passed.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"inductor_ext.export: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(args, tuple):
-        raise TypeError(f"inductor_ext.export: args must be a tuple of example inputs, got {type(args).__name__}")
     path = Path(path)
     if path.suffix != ".pt2":
         raise ValueError(f"inductor_ext.export: path must end in .pt2 (an AOTInductor package), got {path.name!r}")
-    try:
-        program = torch.export.export(model, args, kwargs=dict(kwargs or {}), dynamic_shapes=dynamic_shapes)
-    except _EXPORT_FAILURES as error:
-        raise ExportError(
-            f"inductor_ext.export: {type(model).__name__} cannot be exported as one graph "
-            f"({type(error).__name__}); torch.export says:\n{error}"
-        ) from error
-    ours, inductor_options = parse_options(options, default_multi_kernel=None)
-    if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
-        rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
-    if ours.document_mask:  # packed position_ids: block-sparse document attention, as under the backend
-        rewrite_document_masks(program.graph_module)
-    patches = {**inductor_options, **ours.inductor_patches()}
-    # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
-    # time explicitly: multi-kernel asserts without it on some versions
-    patches.pop("cpp_wrapper", None)
-    patches.setdefault("triton.autotune_at_compile_time", True)
-    planner = RoutePlanner(ours, TuningDatabase())
-    planner.plan_graph(program.graph_module)
+    program = export_program(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+    files = compile_program(program, options)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
-        package = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=patches)
-    return Path(package)
+    package_aoti(str(path), files)
+    return path
 
 
 class Package:
@@ -114,15 +137,27 @@ class Package:
 
 
 def load(path: str | Path) -> Package:
-    """The callable of an AOTInductor package (``torch._inductor.aoti_load_package``), as a :class:`Package`.
+    """The callable of an AOTInductor package (its model ``"model"``), as a :class:`Package`.
 
     A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
     g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
     only, the process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`).
     """
+    models = load_models(path)
+    if "model" not in models:
+        raise ValueError(f"inductor_ext.load: {path} has no model named 'model' (it has {sorted(models)})")
+    return models["model"]
+
+
+def load_models(path: str | Path) -> dict[str, Package]:
+    """Every model of a package by name (:func:`export` writes one, ``"model"``; a generation package
+    more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
     if carries_static_cxx_runtime(path):
         promote_cxx_runtime()
-    return Package(torch._inductor.aoti_load_package(str(path)))
+    runners = load_pt2(str(path)).aoti_runners
+    if not runners:
+        raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
+    return {name: Package(runner) for name, runner in runners.items()}

@@ -16,7 +16,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 """Position = the dtype code (must match kDtypes in inductor_ext/csrc/aoti_runner.cpp)."""
 
 
-def write_tensors(path: str | Path, tensors: Sequence[torch.Tensor]) -> None:
+def encode_tensors(tensors: Sequence[torch.Tensor]) -> bytes:
+    """``tensors`` in the tensor file format."""
     chunks = [MAGIC, struct.pack("<I", len(tensors))]
     for i, t in enumerate(tensors):
         if t.dtype not in DTYPES:
@@ -25,13 +26,13 @@ def write_tensors(path: str | Path, tensors: Sequence[torch.Tensor]) -> None:
         chunks.append(struct.pack("<II", DTYPES.index(t.dtype), t.dim()))
         chunks.append(struct.pack(f"<{t.dim()}q", *t.shape))
         chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    Path(path).write_bytes(b"".join(chunks))
+    return b"".join(chunks)
 
 
-def read_tensors(path: str | Path) -> list[torch.Tensor]:
-    data = Path(path).read_bytes()
+def decode_tensors(data: bytes, source: str) -> list[torch.Tensor]:
+    """The tensors of a tensor file's bytes (``source`` names it in errors)."""
     if data[:4] != MAGIC:
-        raise ValueError(f"read_tensors: {path} is not a tensor file (no {MAGIC!r} header)")
+        raise ValueError(f"read_tensors: {source} is not a tensor file (no {MAGIC!r} header)")
     (count,), offset = struct.unpack_from("<I", data, 4), 8
     tensors = []
     for _ in range(count):
@@ -45,3 +46,11 @@ def read_tensors(path: str | Path) -> list[torch.Tensor]:
         tensors.append(raw.view(dtype).view(shape) if raw is not None else torch.empty(shape, dtype=dtype))
         offset += nbytes
     return tensors
+
+
+def write_tensors(path: str | Path, tensors: Sequence[torch.Tensor]) -> None:
+    Path(path).write_bytes(encode_tensors(tensors))
+
+
+def read_tensors(path: str | Path) -> list[torch.Tensor]:
+    return decode_tensors(Path(path).read_bytes(), str(path))

@@ -9,10 +9,13 @@ Providers:
 - ``fastops_inductor_cpp_wrapper``: the backend with ``cpp_wrapper`` (``mode=None``), no CUDA graphs.
 - ``package_python``: :func:`inductor_ext.export_generation` + ``load_generation(...).generate``.
 - ``package_cpp``: the same package run by ``aoti_generate`` with a CUDA graph around the decode step
-  (on CPU: without).
+  (on CPU: without); batch 1 decodes with the package's static decode graph.
+- ``package_cpp_dynamic``: ``package_cpp`` exported with ``decode_batch_sizes=()``: every batch decodes
+  with the dynamic graph (cuBLAS projections).
 - ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
   constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
-  into one GEMM, and gate/up into one, over concatenated weights).
+  into one GEMM, and gate/up into one, over concatenated weights); no static decode graph (freezing
+  folds the weights into each graph, which then cannot share them).
 - ``package_cpp_folded_sdpa`` and ``package_cpp_decode_attention``: ``package_cpp`` exported with
   ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.generation.attention`).
 
@@ -51,7 +54,8 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
-             "package_cpp", "package_cpp_folded_sdpa", "package_cpp_decode_attention", "package_cpp_frozen")  # fmt: skip
+             "package_cpp", "package_cpp_dynamic", "package_cpp_folded_sdpa", "package_cpp_decode_attention",
+             "package_cpp_frozen")  # fmt: skip
 ATTENTION = {"package_cpp_folded_sdpa": "folded_sdpa", "package_cpp_decode_attention": "decode_attention"}
 """``export_generation``'s ``attention`` per provider (the others: ``"sdpa"``)."""
 
@@ -137,8 +141,9 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
 
             start = time.perf_counter()
             options = {"freezing": True} if provider.endswith("_frozen") else None
+            static = () if provider.endswith(("_frozen", "_dynamic")) else (1,)
             path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
-                                     max_seq_len=max_seq, options=options,
+                                     max_seq_len=max_seq, options=options, decode_batch_sizes=static,
                                      attention=ATTENTION.get(provider, "sdpa"))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
             generate: Callable[..., Any] = load_generation(path).generate

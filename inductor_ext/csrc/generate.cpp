@@ -11,7 +11,9 @@
 // finished or after N tokens. Greedy (argmax) by default; --sample divides the logits by the temperature
 // (default 1), keeps the top K (default: all) and draws with at::multinomial from a generator seeded with
 // --seed (default 0): reproducible, not Python's draws. The KV cache (max_batch_size rows) and the slot
-// mask are allocated once; a batch of b rows uses their first b rows.
+// mask are allocated once; a batch of b rows uses their first b rows. The package's graphs share one copy
+// of its weights (read here, handed to each graph); the decode calls use the static decode graph for the
+// batch size where the package has one (export_generation's decode_batch_sizes), else the dynamic graph.
 //
 // Timing: the whole generation runs --iters times (default 1; the first run's tokens are written), each
 // reseeded, and one line is printed: "prefill_ms median=... decode_ms_per_token median=... tokens=..."
@@ -27,6 +29,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 
 #include "tensor_file.h"
 
@@ -165,7 +168,7 @@ std::vector<int64_t> parse_ints(const std::string& text) {
 // What export_generation stored as the package's metadata (flat strings, see generation/export.py).
 struct Metadata {
   int64_t max_batch_size, max_seq_len, vocab_size;
-  std::vector<int64_t> kv_cache_shape, eos_token_ids;
+  std::vector<int64_t> kv_cache_shape, eos_token_ids, decode_batch_sizes;
   std::optional<int64_t> pad_token_id;
   at::ScalarType dtype;
   std::string device;
@@ -186,6 +189,8 @@ struct Metadata {
     m.vocab_size = std::stoll(get("vocab_size"));
     m.kv_cache_shape = parse_ints(get("kv_cache_shape"));
     m.eos_token_ids = parse_ints(get("eos_token_ids"));
+    auto sizes = found.find(kPrefix + "decode_batch_sizes");  // absent in packages without static decode graphs
+    if (sizes != found.end()) m.decode_batch_sizes = parse_ints(sizes->second);
     auto pad = get("pad_token_id");
     if (!pad.empty()) m.pad_token_id = std::stoll(pad);
     auto dtype = get("dtype");
@@ -206,6 +211,40 @@ struct Metadata {
     return m;
   }
 };
+
+// The package's shared weights (inductor_ext/generation/weights.py) on `device`, by name (tied weights:
+// several names, one tensor); empty if its models hold their own.
+std::unordered_map<std::string, at::Tensor> read_weights(const std::string& path, const at::Device& device) {
+  caffe2::serialize::PyTorchStreamReader reader(path);
+  if (!reader.hasRecord("inductor_ext/weight_names")) return {};
+  auto [names_data, names_size] = reader.getRecord("inductor_ext/weight_names");
+  std::stringstream lines(std::string(static_cast<const char*>(names_data.get()), names_size));
+  auto [data, size] = reader.getRecord("inductor_ext/weights");
+  auto tensors = tensor_file::parse_tensors(static_cast<const char*>(data.get()), size, path + ":inductor_ext/weights");
+  std::unordered_map<std::string, at::Tensor> weights;
+  size_t index = 0;
+  for (std::string line; std::getline(lines, line); ++index) {
+    if (index >= tensors.size()) throw std::runtime_error(path + ": more weight names than weight tensors");
+    auto tensor = tensors[index].to(device);
+    std::stringstream aliases(line);
+    for (std::string name; std::getline(aliases, name, ' ');) weights.emplace(name, tensor);
+  }
+  if (index != tensors.size()) throw std::runtime_error(path + ": fewer weight names than weight tensors");
+  return weights;
+}
+
+// Gives a model compiled without its weights the shared tensors, user-managed: not copied, kept alive by
+// the caller's map.
+void share_weights(torch::inductor::AOTIModelPackageLoader& loader,
+                   const std::unordered_map<std::string, at::Tensor>& weights) {
+  std::unordered_map<std::string, at::Tensor> needed;
+  for (const auto& name : loader.get_constant_fqns()) {
+    auto it = weights.find(name);
+    if (it == weights.end()) throw std::runtime_error("the package's weights lack " + name);
+    needed.emplace(name, it->second);
+  }
+  loader.load_constants(needed, /*use_inactive=*/false, /*check_full_update=*/true, /*user_managed=*/true);
+}
 
 // The prompt: input_ids and its attention mask (all ones if PROMPT.bin has none), checked against the package.
 std::pair<at::Tensor, at::Tensor> read_prompt(const std::string& path, const Metadata& m, int64_t max_new_tokens) {
@@ -275,8 +314,10 @@ struct Timing {
 
 class Generation {
  public:
-  Generation(torch::inductor::AOTIModelPackageLoader& loader, const Metadata& m, const Options& o, int64_t batch)
-      : loader_(loader), metadata_(m), options_(o), device_(o.device) {
+  // `decode_loader`: the package's static decode graph for this batch, else `loader` (which serves any batch)
+  Generation(torch::inductor::AOTIModelPackageLoader& loader, torch::inductor::AOTIModelPackageLoader& decode_loader,
+             const Metadata& m, const Options& o, int64_t batch)
+      : loader_(loader), decode_loader_(decode_loader), metadata_(m), options_(o), device_(o.device) {
     auto on_device = at::TensorOptions().device(device_);
     // allocated once for max_batch_size rows; the batch uses their first `batch` rows (contiguous views):
     // the step takes each layer's keys and values, [keys_0, values_0, keys_1, ...] (cache_layout.py)
@@ -302,7 +343,7 @@ class Generation {
     auto positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1);
     std::vector<at::Tensor> inputs = {ids, positions, at::arange(length, ids.options()), slots_};
     inputs.insert(inputs.end(), caches_.begin(), caches_.end());
-    auto logits = run(inputs);
+    auto logits = run(loader_, inputs);
     sync(logits);
     double prefill_end = now_ms();
     auto next_position = positions.slice(1, length - 1, length) + 1;
@@ -336,12 +377,12 @@ class Generation {
   }
 
  private:
-  at::Tensor run(const std::vector<at::Tensor>& inputs) {
+  at::Tensor run(torch::inductor::AOTIModelPackageLoader& loader, const std::vector<at::Tensor>& inputs) {
     void* stream = nullptr;
 #ifdef INDUCTOR_EXT_WITH_CUDA
     if (device_.is_cuda()) stream = c10::cuda::getCurrentCUDAStream().stream();
 #endif
-    auto outputs = loader_.run(inputs, stream);
+    auto outputs = loader.run(inputs, stream);
     if (outputs.size() != 1) throw std::runtime_error("the package returned " + std::to_string(outputs.size()) +
                                                       " outputs; a generation step returns the logits only");
     return outputs[0];
@@ -354,7 +395,7 @@ class Generation {
     cache_position_.fill_(slot);
     std::vector<at::Tensor> inputs = {token_, position_, cache_position_, slots_};
     inputs.insert(inputs.end(), caches_.begin(), caches_.end());
-    if (!options_.cuda_graph) return run(inputs);
+    if (!options_.cuda_graph) return run(decode_loader_, inputs);
 #ifdef INDUCTOR_EXT_WITH_CUDA
     // Tested on the H200 (tests/gpu/test_generation_gpu.py: the captured loop gives the launched loop's tokens).
     // The loader runs single-threaded (main()), so the AOTI container neither records nor queries its
@@ -364,12 +405,12 @@ class Generation {
     if (!graph_) {
       if (!warmed_up_) {  // the warm-up: a real decode step, eagerly (lazy initialisation, autotuned choices)
         warmed_up_ = true;
-        return run(inputs);
+        return run(decode_loader_, inputs);
       }
       c10::cuda::getCurrentCUDAStream().synchronize();
       graph_ = std::make_unique<at::cuda::CUDAGraph>();
       graph_->capture_begin();
-      graph_logits_ = run(inputs);  // recorded, not run: the replay below computes this step
+      graph_logits_ = run(decode_loader_, inputs);  // recorded, not run: the replay below computes this step
       graph_->capture_end();
     }
     graph_->replay();
@@ -391,6 +432,7 @@ class Generation {
   }
 
   torch::inductor::AOTIModelPackageLoader& loader_;
+  torch::inductor::AOTIModelPackageLoader& decode_loader_;
   const Metadata& metadata_;
   const Options& options_;
   at::Device device_;
@@ -433,7 +475,20 @@ int main(int argc, char** argv) {
     }
     auto [ids, mask] = read_prompt(options.prompt, metadata, options.max_new_tokens);
     ids = ids.to(at::Device(options.device)), mask = mask.to(at::Device(options.device));
-    Generation generation(loader, metadata, options, ids.size(0));
+    // every graph of the package over one copy of the weights, which `weights` keeps alive
+    auto weights = read_weights(options.package, at::Device(options.device));
+    std::unordered_map<int64_t, std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> decode_loaders;
+    for (auto n : metadata.decode_batch_sizes) {
+      decode_loaders.emplace(n, std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+                                    options.package, "decode_batch_" + std::to_string(n), /*run_single_threaded=*/true));
+    }
+    if (!weights.empty()) {
+      share_weights(loader, weights);
+      for (auto& [n, decode_loader] : decode_loaders) share_weights(*decode_loader, weights);
+    }
+    auto static_decode = decode_loaders.find(ids.size(0));
+    auto& decode_loader = static_decode == decode_loaders.end() ? loader : *static_decode->second;
+    Generation generation(loader, decode_loader, metadata, options, ids.size(0));
     std::vector<double> prefill, decode;
     Timing timing, first;
     for (int i = 0; i < options.iters; ++i) {

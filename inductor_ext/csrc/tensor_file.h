@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tensor_file {
@@ -20,39 +22,62 @@ namespace tensor_file {
 constexpr char kMagic[4] = {'F', 'O', 'T', 'F'};
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kInt, at::kBool};
 
-template <typename T>
-T read_value(std::ifstream& in) {
-  T value;
-  in.read(reinterpret_cast<char*>(&value), sizeof(T));
-  if (!in) throw std::runtime_error("tensor file truncated");
-  return value;
-}
+// Reads a tensor file's bytes, front to back, with bounds checks.
+class Cursor {
+ public:
+  Cursor(const char* data, size_t size, std::string source) : data_(data), size_(size), source_(std::move(source)) {}
+
+  const char* take(size_t n) {
+    if (n > size_ - offset_) throw std::runtime_error(source_ + ": tensor file truncated");
+    const char* at = data_ + offset_;
+    offset_ += n;
+    return at;
+  }
+
+  template <typename T>
+  T value() {
+    T v;
+    std::memcpy(&v, take(sizeof(T)), sizeof(T));
+    return v;
+  }
+
+  const std::string& source() const { return source_; }
+
+ private:
+  const char* data_;
+  size_t size_, offset_ = 0;
+  std::string source_;
+};
 
 template <typename T>
 void write_value(std::ofstream& out, T value) {
   out.write(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
-inline std::vector<at::Tensor> read_tensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  char magic[4];
-  in.read(magic, 4);
-  if (!in || std::memcmp(magic, kMagic, 4) != 0) throw std::runtime_error(path + " is not a tensor file");
-  auto count = read_value<uint32_t>(in);
+// The tensors of a tensor file's bytes (CPU, copied out of `data`); `source` names it in errors.
+inline std::vector<at::Tensor> parse_tensors(const char* data, size_t size, const std::string& source) {
+  Cursor cursor(data, size, source);
+  if (size < 4 || std::memcmp(cursor.take(4), kMagic, 4) != 0) throw std::runtime_error(source + " is not a tensor file");
+  auto count = cursor.value<uint32_t>();
   std::vector<at::Tensor> tensors;
   for (uint32_t i = 0; i < count; ++i) {
-    auto code = read_value<uint32_t>(in);
-    if (code >= kDtypes.size()) throw std::runtime_error("unknown dtype code " + std::to_string(code));
-    auto ndim = read_value<uint32_t>(in);
+    auto code = cursor.value<uint32_t>();
+    if (code >= kDtypes.size()) throw std::runtime_error(source + ": unknown dtype code " + std::to_string(code));
+    auto ndim = cursor.value<uint32_t>();
     std::vector<int64_t> sizes(ndim);
-    for (auto& size : sizes) size = read_value<int64_t>(in);
+    for (auto& s : sizes) s = cursor.value<int64_t>();
     auto tensor = at::empty(sizes, at::TensorOptions().dtype(kDtypes[code]));
-    in.read(static_cast<char*>(tensor.data_ptr()), tensor.nbytes());
-    if (!in) throw std::runtime_error("tensor file truncated in tensor " + std::to_string(i));
+    std::memcpy(tensor.data_ptr(), cursor.take(tensor.nbytes()), tensor.nbytes());
     tensors.push_back(tensor);
   }
   return tensors;
+}
+
+inline std::vector<at::Tensor> read_tensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_tensors(data.data(), data.size(), path);
 }
 
 inline void write_tensors(const std::string& path, const std::vector<at::Tensor>& tensors) {

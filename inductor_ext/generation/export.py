@@ -1,26 +1,40 @@
 """``export_generation``: an HF causal LM's prefill and decode step as one AOTInductor package.
 
-The package holds one graph, :class:`~inductor_ext.generation.step.GenerationStep`, exported with a
-dynamic batch (1..``max_batch_size``) and a dynamic number of new tokens (1..``max_seq_len``): the
-prefill is a call with the prompt's tokens, a decode step a call with one token per sequence. One
-graph rather than two keeps one copy of the weights (AOTInductor embeds them per graph) and lets the
-caller own the KV cache, which both calls update in place; Inductor's multi-kernel picks each
-reduction's variant at run time for the prefill's rows and the decode's. What the runtime needs to
-allocate the cache and stop generating is stored as the package's metadata (read by
+The package holds :class:`~inductor_ext.generation.step.GenerationStep` as several graphs over one copy
+of the weights (:mod:`inductor_ext.generation.weights`):
+
+- ``"model"``: a dynamic batch (1..``max_batch_size``) and a dynamic number of new tokens
+  (1..``max_seq_len``): the prefill is a call with the prompt's tokens, a decode step at any batch a
+  call with one token per sequence; Inductor's multi-kernel picks each reduction's variant at run time.
+- ``"decode_batch_<n>"`` for each ``n`` of ``decode_batch_sizes`` (default: 1): a decode step at
+  batch ``n`` with static shapes, which the runtimes use for that batch. At batch 1 every projection
+  is a matrix-vector product: with static shapes Inductor writes it as a reduction that it fuses with
+  its neighbours (the norm before it, the SiLU after it) and tunes by coordinate descent, where the
+  dynamic graph calls cuBLAS.
+
+The caller owns the KV cache, which every call updates in place. What the runtime needs to allocate
+the cache and stop generating is stored as the package's metadata (read by
 :func:`inductor_ext.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from inductor_ext.export import export
+from inductor_ext.export import compile_program, export_program
 from inductor_ext.generation.attention import check_attention_choice
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import encode
 from inductor_ext.generation.step import GenerationStep
+from inductor_ext.generation.weights import program_weights, write_package
+
+DECODE_GRAPH_OPTIONS = {"coordinate_descent_tuning": True, "fastops.route": "inductor"}
+"""Options of the static decode graphs (``options`` passed to ``export_generation`` override them):
+matrix-vector products as tuned reductions, and the norms in Inductor's code so that they fuse into
+them (measured on the H200, Llama-3.2-1B shape, batch 1: 1.29-1.44 ms of GPU time a step against 1.61
+with cuBLAS and our RMSNorm kernel)."""
 
 
 def _generation_setting(model: torch.nn.Module, name: str) -> Any:
@@ -52,6 +66,7 @@ def export_generation(
     max_seq_len: int,
     options: Mapping[str, Any] | None = None,
     attention: str = "sdpa",
+    decode_batch_sizes: Sequence[int] = (1,),
 ) -> Path:
     """Export ``model`` (an HF causal LM) for generation to the package ``path`` (``.pt2``); returns its path.
 
@@ -64,11 +79,25 @@ def export_generation(
     ``"decode_attention"``, our decode-attention op. On the H200 (Llama-3.2-1B shape, 2048-token prompt,
     C++ loop) ``"folded_sdpa"`` decodes 2.2x faster at batch 64 and 1.16x at batch 8 but 1.49x slower at
     batch 1; ``"decode_attention"`` decodes 2-7% faster at every batch but prefills 1.6x slower.
+    ``decode_batch_sizes``: the batches that get a static decode graph (module docstring); each adds
+    a compile to the export, not a copy of the weights. Inductor's ``freezing`` option folds the weights
+    into each graph, so it needs ``decode_batch_sizes=()`` (one graph that holds its weights).
     """
     check_attention_choice(attention, "export_generation")
+    frozen = bool((options or {}).get("freezing"))
+    if frozen and decode_batch_sizes:
+        raise ValueError(
+            "export_generation: freezing folds the weights into each graph; pass decode_batch_sizes=() with it"
+        )
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError(
             f"export_generation: max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"
+        )
+    decode_batch_sizes = sorted(set(decode_batch_sizes))
+    if any(not isinstance(n, int) or not 1 <= n <= max_batch_size for n in decode_batch_sizes):
+        raise ValueError(
+            f"export_generation: decode_batch_sizes must be integers in 1..max_batch_size ({max_batch_size}), "
+            f"got {decode_batch_sizes}"
         )
     config: Any = model.config
     if max_seq_len > getattr(config, "max_position_embeddings", max_seq_len):
@@ -78,17 +107,19 @@ def export_generation(
         )
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
-    # examples of at least 2 rows and 2 tokens: export specialises dimensions of size 0 or 1
+
+    def example(batch: int, length: int) -> dict[str, Any]:
+        cache = torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device)
+        return {
+            "input_ids": torch.zeros(batch, length, dtype=torch.long, device=device),
+            "position_ids": torch.arange(length, device=device).expand(batch, length).contiguous(),
+            "cache_position": torch.arange(length, device=device),
+            "attention_mask": torch.ones(batch, max_seq_len, dtype=torch.long, device=device),
+            "kv_cache": layer_caches(cache, batch),
+        }
+
+    # the dynamic graph's example: at least 2 rows and 2 tokens (export specialises dimensions of size 0 or 1)
     batch, length = min(2, max_batch_size), 2
-    example = {
-        "input_ids": torch.zeros(batch, length, dtype=torch.long, device=device),
-        "position_ids": torch.arange(length, device=device).expand(batch, length).contiguous(),
-        "cache_position": torch.arange(length, device=device),
-        "attention_mask": torch.ones(batch, max_seq_len, dtype=torch.long, device=device),
-        "kv_cache": layer_caches(
-            torch.zeros(kv_cache_shape(config, batch, max_seq_len), dtype=dtype, device=device), batch
-        ),
-    }
     # Dim.DYNAMIC hints, not named Dims: on CUDA tracing adds always-true guards on the token count
     # (min(128*t, 512*t) == 128*t) that torch.export rejects for a named Dim; hints keep them as checks
     # (ranges of at least 1..3: export takes a range 1..2 with an example of 2 for a static size; the
@@ -102,6 +133,7 @@ def export_generation(
         "attention_mask": rows or None,
         "kv_cache": [rows or None] * (2 * config.num_hidden_layers),
     }
+    names = ("input_ids", "position_ids", "cache_position", "attention_mask", "kv_cache")
     metadata = {
         "max_batch_size": max_batch_size,
         "max_seq_len": max_seq_len,
@@ -111,15 +143,25 @@ def export_generation(
         "vocab_size": int(config.vocab_size),
         "eos_token_ids": _eos_token_ids(model),
         "pad_token_id": _pad_token_id(model),
+        "decode_batch_sizes": decode_batch_sizes,
     }
     patches = dict(options or {})
     patches["aot_inductor.metadata"] = {**patches.get("aot_inductor.metadata", {}), **encode(metadata)}
+    if not frozen:
+        patches["aot_inductor.package_constants_in_so"] = False
     was_training = model.training
     model.eval()
     try:
+        if Path(path).suffix != ".pt2":
+            raise ValueError(f"export_generation: path must end in .pt2 (an AOTInductor package), got {path}")
         with torch.no_grad():
             step = GenerationStep(model, attention=attention)
-            return export(step, tuple(example.values()), path,
-                          dynamic_shapes=tuple(dynamic_shapes[name] for name in example), options=patches)  # fmt: skip
+            program = export_program(step, tuple(example(batch, length).values()),
+                                     dynamic_shapes=tuple(dynamic_shapes[name] for name in names))  # fmt: skip
+            models = {"model": compile_program(program, patches)}
+            for n in decode_batch_sizes:
+                static = export_program(step, tuple(example(n, 1).values()))
+                models[f"decode_batch_{n}"] = compile_program(static, {**DECODE_GRAPH_OPTIONS, **patches})
+            return write_package(Path(path), models, None if frozen else program_weights(program))
     finally:
         model.train(was_training)

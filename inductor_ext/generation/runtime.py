@@ -3,7 +3,7 @@ transformers' ``generate`` does, greedy or sampled, with the KV cache owned here
 
 The loop, per call of :meth:`GenerationPackage.generate`: one prefill call with the prompt (its
 ``position_ids`` count only the real tokens of a left-padded row, as ``generate`` computes them), then
-one decode call per new token. A row that emits an end-of-sequence token is finished; its later
+one decode call per new token (with the package's static decode graph for the batch size, if it has one). A row that emits an end-of-sequence token is finished; its later
 tokens are the pad token; the loop stops when every row is finished or after ``max_new_tokens``.
 Sampling applies temperature, then top-k, then draws from the softmax with ``torch.multinomial``,
 in transformers' order: with the same ``torch.manual_seed`` and the same logits, the same tokens.
@@ -15,20 +15,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inductor_ext.export import load
+from inductor_ext.export import load_models
 from inductor_ext.generation.cache_layout import layer_caches
 from inductor_ext.generation.metadata import decode
+from inductor_ext.generation.weights import read_weights, share_weights
 
 
 class GenerationPackage:
     """A loaded generation package; :meth:`generate` is its entry point."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
-        self.step = load(path)
-        found = decode(self.step.get_metadata())
+        models = load_models(path)
+        found = decode(models["model"].get_metadata()) if "model" in models else {}
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
         self.device = torch.device(device or found["device"])
+        # the weights, once on the device, shared by every graph (held here: the graphs do not own them)
+        self._weights = read_weights(Path(path), self.device)
+        if self._weights is not None:
+            for model in models.values():
+                share_weights(model, self._weights)
+        self.step = models["model"]
+        sizes = [int(n) for n in found.get("decode_batch_sizes", "").split(",") if n]
+        self.decode_steps = {n: models[f"decode_batch_{n}"] for n in sizes}
+        """The static decode graphs by batch size (other batches decode with :attr:`step`)."""
         self.max_batch_size = int(found["max_batch_size"])
         self.max_seq_len = int(found["max_seq_len"])
         self.vocab_size = int(found["vocab_size"])
@@ -101,6 +111,7 @@ class GenerationPackage:
         slots[:, :length] = mask
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         logits = self.step(input_ids, positions, self._cache_positions[:length], slots, cache)
+        decode_step = self.decode_steps.get(batch, self.step)
         next_position = positions[:, -1:] + 1
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         eos = self.eos_token_ids
@@ -123,7 +134,7 @@ class GenerationPackage:
                     break
             slot = length + index
             slots[:, slot] = 1
-            logits = self.step(token[:, None], next_position, self._cache_positions[slot : slot + 1], slots, cache)
+            logits = decode_step(token[:, None], next_position, self._cache_positions[slot : slot + 1], slots, cache)
             next_position = next_position + 1
         if streamer is not None:
             streamer.end()

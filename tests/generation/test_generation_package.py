@@ -1,7 +1,8 @@
 """``export_generation`` + ``load_generation`` on CPU: the package generates the tokens transformers'
 ``generate`` does for the same call (float32 tiny Llama, so greedy and seeded sampling agree token
 for token), for equal-length and left-padded batches, batch sizes 1..max and one-token prompts, and
-stops at end-of-sequence tokens as ``generate`` does. One export (~25 s) is shared by the module."""
+stops at end-of-sequence tokens as ``generate`` does; batches 1 and 3 decode with the package's static
+decode graphs, the others with its dynamic graph. One export (~25 s) is shared by the module."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from inductor_ext.bench.train import build_model
 from inductor_ext.generation import export_generation, load_generation
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.step import GenerationStep
+from inductor_ext.generation.weights import read_weights
 
 pytest.importorskip("transformers")
 
@@ -24,10 +26,14 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def package(model, tmp_path_factory):
-    path = export_generation(model, tmp_path_factory.mktemp("gen") / "tiny.pt2", max_batch_size=MAX_BATCH,
-                             max_seq_len=MAX_SEQ)  # fmt: skip
-    return load_generation(path)
+def package_path(model, tmp_path_factory):
+    return export_generation(model, tmp_path_factory.mktemp("gen") / "tiny.pt2", max_batch_size=MAX_BATCH,
+                             max_seq_len=MAX_SEQ, decode_batch_sizes=(1, 3))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def package(package_path):
+    return load_generation(package_path)
 
 
 def _prompt(model, batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -139,9 +145,34 @@ def test_bad_generate_arguments_are_refused(model, package, call, message):
         call(package, _prompt(model, 1, 4))
 
 
+def test_the_graphs_share_one_copy_of_the_weights(model, package, package_path):
+    """Static decode graphs for batches 1 and 3; the weights stored once, every parameter by its name."""
+    assert sorted(package.decode_steps) == [1, 3]
+    weights = read_weights(package_path, torch.device("cpu"))
+    assert weights is not None
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(weights[f"model.{name}"], parameter.detach(), rtol=0, atol=0)
+    for graph in [package.step, *package.decode_steps.values()]:
+        assert set(graph.get_constant_fqns()) <= set(weights)
+
+
+def test_a_package_without_static_decode_graphs_generates_hf_tokens(model, tmp_path):
+    path = export_generation(model, tmp_path / "dynamic.pt2", max_batch_size=2, max_seq_len=24, decode_batch_sizes=())
+    package = load_generation(path)
+    assert package.decode_steps == {}
+    ids = _prompt(model, 1, 5, seed=4)
+    torch.testing.assert_close(package.generate(ids, 8, pad_token_id=PAD), _hf(model, ids, 8, do_sample=False),
+                               rtol=0, atol=0)  # fmt: skip
+
+
 def test_bad_export_arguments_are_refused(model, tmp_path):
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
         export_generation(model, tmp_path / "x.pt2", max_batch_size=0, max_seq_len=8)
+    for sizes in [(0,), (3,)]:
+        with pytest.raises(ValueError, match="decode_batch_sizes must be integers in 1..max_batch_size"):
+            export_generation(model, tmp_path / "x.pt2", max_batch_size=2, max_seq_len=8, decode_batch_sizes=sizes)
+    with pytest.raises(ValueError, match="freezing folds the weights"):
+        export_generation(model, tmp_path / "x.pt2", max_batch_size=2, max_seq_len=8, options={"freezing": True})
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         export_generation(model, tmp_path / "x.pt2", max_batch_size=1,
                           max_seq_len=model.config.max_position_embeddings + 1)  # fmt: skip

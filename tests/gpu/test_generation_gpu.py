@@ -1,7 +1,8 @@
 """Generation on a real GPU: a tiny HF Llama's package (``export_generation``, with each attention choice:
 transformers' SDPA, folded SDPA, our decode-attention op) generates transformers' tokens in float32 (TF32
-off: greedy argmax agrees token for token), from Python and from the C++ loop; its bf16 package's logits
-are as close to float64 as transformers' bf16 eager ones at the prefill and at a decode step; and
+off: greedy argmax agrees token for token), from Python and from the C++ loop, at batch 1 with its static
+decode graph and at other batches with its dynamic graph; its bf16 package's logits are as close to
+float64 as transformers' bf16 eager ones at the prefill and at a decode step (batches 2 and 1); and
 static-cache ``generate`` with the decode step under ``fastops_inductor`` (CUDA graphs,
 ``reduce-overhead``; and ``cpp_wrapper``) gives eager's tokens."""
 
@@ -65,11 +66,12 @@ def test_float32_package_generates_hf_tokens(float32_package):
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["launches", "cuda_graph"])
-def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph):
+@pytest.mark.parametrize("batch", [3, 1])  # batch 1: the static decode graph, captured in the CUDA graph
+def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph, batch):
     _, path = float32_package
-    ids = _prompt(3, 20, seed=3)
+    ids = _prompt(batch, 20, seed=3)
     mask = torch.ones_like(ids)
-    mask[1, :4] = 0
+    mask[-1, :4] = 0
     want = load_generation(path).generate(ids, 24, attention_mask=mask).cpu()
     got = run_generate(path, ids.cpu(), 24, attention_mask=mask.cpu(), device="cuda", cuda_graph=cuda_graph, iters=2)
     torch.testing.assert_close(got.tokens, want, rtol=0, atol=0)
@@ -83,20 +85,22 @@ def test_bf16_package_logits_are_as_close_to_float64_as_hf_eager(tmp_path, atten
     exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     package = load_generation(export_generation(model, tmp_path / "g.pt2", max_batch_size=MAX_BATCH,
                                                 max_seq_len=MAX_SEQ, attention=attention))  # fmt: skip
-    ids = _prompt(2, 34)
     long = {"dtype": torch.long, "device": "cuda"}
-    prefill = (ids[:, :33].contiguous(), torch.arange(33, **long).expand(2, 33).contiguous(), torch.arange(33, **long),
-               torch.ones(2, MAX_SEQ, **long))  # fmt: skip
-    decode = (ids[:, 33:].contiguous(), torch.full((2, 1), 33, **long), torch.tensor([33], **long), prefill[3])
-    shape = kv_cache_shape(model.config, 2, MAX_SEQ)
-    ours_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.bfloat16), 2)
-    exact_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.float64), 2)
-    with torch.no_grad():
-        for inputs, hf_tokens in ((prefill, 33), (decode, 34)):
-            ours = package.step(*inputs, ours_cache)
-            truth = GenerationStep(exact)(*inputs, exact_cache)
-            hf = model(ids[:, :hf_tokens]).logits[:, -1].float()
-            assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3, hf_tokens
+    for batch in (2, 1):  # batch 1 decodes with the package's static decode graph
+        ids = _prompt(batch, 34)
+        prefill = (ids[:, :33].contiguous(), torch.arange(33, **long).expand(batch, 33).contiguous(),
+                   torch.arange(33, **long), torch.ones(batch, MAX_SEQ, **long))  # fmt: skip
+        decode = (ids[:, 33:].contiguous(), torch.full((batch, 1), 33, **long), torch.tensor([33], **long), prefill[3])
+        shape = kv_cache_shape(model.config, batch, MAX_SEQ)
+        ours_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.bfloat16), batch)
+        exact_cache = layer_caches(torch.zeros(shape, device="cuda", dtype=torch.float64), batch)
+        steps = ((prefill, 33, package.step), (decode, 34, package.decode_steps.get(batch, package.step)))
+        with torch.no_grad():
+            for inputs, hf_tokens, step in steps:
+                ours = step(*inputs, ours_cache)
+                truth = GenerationStep(exact)(*inputs, exact_cache)
+                hf = model(ids[:, :hf_tokens]).logits[:, -1].float()
+                assert rel_err(ours, truth) <= 2 * rel_err(hf, truth) + 1e-3, (batch, hf_tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,75 @@
+"""The weights of a generation package: stored once, shared by its graphs.
+
+A generation package holds several AOTInductor models (the prefill-and-decode graph and static decode
+graphs, :mod:`inductor_ext.generation.export`). AOTInductor embeds each model's weights in its own
+library by default, which would store and load a 1B model's 2.5 GB once per graph. Here every model is
+compiled without its weights (``aot_inductor.package_constants_in_so=False``); the package holds them
+once, as the record :data:`WEIGHTS` (the tensor file format, :mod:`inductor_ext.tensor_file`, which the
+C++ loop reads too) and :data:`NAMES` (line ``i``: the space-separated names of tensor ``i``, several
+where the model ties weights). A runtime reads them onto the device once and hands the same tensors to
+every model as user-managed constants (no copy; the runtime keeps them alive).
+"""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.export.pt2_archive._package import PT2ArchiveReader, PT2ArchiveWriter, _package_aoti_files
+
+from inductor_ext.tensor_file import decode_tensors, encode_tensors
+
+WEIGHTS = "inductor_ext/weights"
+NAMES = "inductor_ext/weight_names"
+
+
+def program_weights(program: torch.export.ExportedProgram) -> tuple[list[Tensor], list[list[str]]]:
+    """The program's parameters, buffers and tensor constants, each storage once, with all its names."""
+    named = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, Tensor)}}
+    tensors: list[Tensor] = []
+    names: list[list[str]] = []
+    index: dict[tuple[Any, ...], int] = {}
+    for name, tensor in named.items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in index:
+            index[key] = len(tensors)
+            tensors.append(tensor.detach())
+            names.append([])
+        names[index[key]].append(name)
+    return tensors, names
+
+
+def write_package(
+    path: Path, models: dict[str, list[Any]], weights: tuple[list[Tensor], list[list[str]]] | None
+) -> Path:
+    """A ``.pt2`` of AOTInductor ``models`` (name → ``compile_program``'s files) and the shared ``weights``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with PT2ArchiveWriter(str(path)) as writer:
+        _package_aoti_files(writer, models)
+        if weights is not None:
+            tensors, names = weights
+            writer.write_bytes(WEIGHTS, encode_tensors(tensors))
+            writer.write_string(NAMES, "\n".join(" ".join(aliases) for aliases in names))
+    return path
+
+
+def read_weights(path: Path, device: torch.device) -> dict[str, Tensor] | None:
+    """The package's shared weights on ``device`` by name (aliases share a tensor); None if it has none."""
+    reader = PT2ArchiveReader(str(path))
+    if NAMES not in reader.get_file_names():
+        return None
+    tensors = decode_tensors(reader.read_bytes(WEIGHTS), f"{path}:{WEIGHTS}")
+    names = reader.read_string(NAMES).split("\n")
+    if len(names) != len(tensors):
+        raise ValueError(f"{path}: {len(tensors)} weight tensors but {len(names)} lines of names")
+    on_device = [tensor.to(device) for tensor in tensors]
+    return {name: tensor for tensor, aliases in zip(on_device, names, strict=True) for name in aliases.split(" ")}
+
+
+def share_weights(model: Any, weights: dict[str, Tensor]) -> None:
+    """Give a model compiled without its weights the shared tensors (user-managed: not copied)."""
+    needed = model.get_constant_fqns()
+    missing = [name for name in needed if name not in weights]
+    if missing:
+        raise ValueError(f"the package's weights lack {missing[:5]} (of {len(missing)} missing)")
+    model.load_constants({name: weights[name] for name in needed}, check_full_update=True, user_managed=True)
