@@ -2,8 +2,9 @@
 
 :class:`GenerationStep` runs the model on ``t`` new tokens per sequence (``t`` = the prompt's length
 for the prefill, 1 for a decode step), writes their keys and values into the cache at
-``cache_position`` and returns the float32 logits of each sequence's last token. One graph serves
-both, exported with a dynamic batch and a dynamic token count (:mod:`inductor_ext.generation.export`).
+``cache_position`` and returns the float32 logits of each sequence's last token. The package
+exports it with a dynamic batch and token count (prefill and decode) and with static shapes for
+chosen decode batch sizes (:mod:`inductor_ext.generation.export`).
 
 The cache is owned by the caller and updated in place: one tensor ``(layers, 2, max_batch, kv_heads,
 max_seq_len, head_dim)`` whose per-layer keys and values (``cache[layer, 0 or 1, :b]``, each contiguous)
