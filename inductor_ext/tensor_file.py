@@ -1,4 +1,5 @@
-"""The tensor file format the C++ runner (``inductor_ext/csrc/aoti_runner.cpp``) reads and writes.
+"""The tensor file format the C++ runner (``inductor_ext/csrc/aoti_runner.cpp``) reads and writes, and
+the format of a generation package's weights record (:mod:`inductor_ext.generation.weights`).
 
 Little-endian: ``b"FOTF"``, uint32 count, then per tensor: uint32 dtype code, uint32
 ndim, int64 sizes[ndim] and the contiguous data (CPU). Small and dependency-free on
@@ -12,7 +13,8 @@ from pathlib import Path
 import torch
 
 MAGIC = b"FOTF"
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8,
+          torch.float64)  # fmt: skip
 """Position = the dtype code (must match kDtypes in inductor_ext/csrc/aoti_runner.cpp)."""
 
 
@@ -21,11 +23,11 @@ def encode_tensors(tensors: Sequence[torch.Tensor]) -> bytes:
     chunks = [MAGIC, struct.pack("<I", len(tensors))]
     for i, t in enumerate(tensors):
         if t.dtype not in DTYPES:
-            raise TypeError(f"write_tensors: tensor {i} has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
+            raise TypeError(f"tensor file: tensor {i} has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
         t = t.detach().to("cpu").contiguous()
         chunks.append(struct.pack("<II", DTYPES.index(t.dtype), t.dim()))
         chunks.append(struct.pack(f"<{t.dim()}q", *t.shape))
-        chunks.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        chunks.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return b"".join(chunks)
 
 

@@ -107,10 +107,13 @@ MODELS: dict[str, dict[str, Any]] = {
                          "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False},
     "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256},
+    "tiny-qwen3": {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 256,
+                       "tie_word_embeddings": True, "max_position_embeddings": 512},
 }  # fmt: skip
 """Model shapes by name: a transformers config's fields (``model_type`` picks the class). The real
-models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers, Llama-3.1-8B) and a tiny one for
-CPU tests."""
+models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers, Llama-3.1-8B) and tiny ones for
+CPU tests (a Qwen3 with per-head q/k norms and a head_dim that is not hidden / heads)."""
 
 PROVIDERS: dict[str, dict[str, Any] | None] = {
     "hf_eager": None,

@@ -1,8 +1,8 @@
 // Tensor files (little-endian), written and read by inductor_ext.tensor_file:
 //   "FOTF" magic, uint32 count, then per tensor:
-//   uint32 dtype code (0 f32, 1 bf16, 2 f16, 3 i64, 4 i32, 5 bool), uint32 ndim,
+//   uint32 dtype code (0 f32, 1 bf16, 2 f16, 3 i64, 4 i32, 5 bool, 6 u8, 7 i8, 8 f64), uint32 ndim,
 //   int64 sizes[ndim], the contiguous data.
-// Shared by aoti_runner.cpp and generate.cpp.
+// Shared by aoti_runner.cpp and generate.cpp (which also parses a generation package's weights record).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,7 +20,8 @@
 namespace tensor_file {
 
 constexpr char kMagic[4] = {'F', 'O', 'T', 'F'};
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kInt, at::kBool};
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kInt,
+                                            at::kBool,  at::kByte,     at::kChar, at::kDouble};
 
 // Reads a tensor file's bytes, front to back, with bounds checks.
 class Cursor {
@@ -40,8 +41,6 @@ class Cursor {
     std::memcpy(&v, take(sizeof(T)), sizeof(T));
     return v;
   }
-
-  const std::string& source() const { return source_; }
 
  private:
   const char* data_;
