@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import inductor_ext.guards
 from inductor_ext.bench import train
 
 
@@ -27,10 +28,10 @@ def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem
 def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_path):
     # (the patched model's providers run in test_loss_chunk_size_reaches_the_patched_loss and the --lora,
     # --qlora and --cpp-wrapper tests)
-    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "fastops_inductor_no_module_guards")
-    assert list(results) == ["hf_eager", "fastops_inductor", "fastops_inductor_no_module_guards"]
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "fastops_inductor", "fastops_inductor_no_parameter_guards")
+    assert list(results) == ["hf_eager", "fastops_inductor", "fastops_inductor_no_parameter_guards"]
     eager = results["hf_eager"]
-    for ours in (results["fastops_inductor"], results["fastops_inductor_no_module_guards"]):
+    for ours in (results["fastops_inductor"], results["fastops_inductor_no_parameter_guards"]):
         # the first step, 2 timed ones synchronised each, 2 timed together
         assert len(eager["losses"]) == len(ours["losses"]) == 5
         # same weights and batches in separate processes: the losses agree to bf16 rounding, step after step
@@ -50,6 +51,8 @@ def test_compile_arguments_resolve_the_guard_filter_and_leave_the_registry_alone
         "guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"
     }
     assert train.compile_arguments("torch_compile") == {}
+    ours = train.compile_arguments("fastops_inductor_no_parameter_guards")["options"]["guard_filter_fn"]
+    assert ours is inductor_ext.guards.skip_parameter_guards
 
 
 def test_built_models_match_the_registry_and_are_reproducible():

@@ -81,6 +81,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from inductor_ext import guards
 from inductor_ext.bench import fsdp, packing
 from inductor_ext.bench.harness import (
     ClockSampler,
@@ -124,11 +125,15 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_no_padding": {"backend": "fastops_inductor", "options": {"fastops.assume_no_padding": True}},
     "fastops_inductor_no_module_guards": {"backend": "fastops_inductor",
                                           "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
+    "fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
+                                             "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "liger_eager": None,
     "patched_eager": None,
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_no_module_guards": {"backend": "fastops_inductor",
                                                   "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
+    "patched_fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
+                                                     "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -175,9 +180,11 @@ tuner fills the tuning database from the model's config before the model is buil
 ``*_padded`` train on documents (``--packed``), packed with ``position_ids`` or right-padded with an
 ``attention_mask`` (compiled with ``dynamic=True``); ``*_no_module_guards`` compile with
 ``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}`` (a ``guard_filter_fn``
-option names a ``torch.compiler`` function): Dynamo stops checking the modules' attributes and
-parameters before each call, which is safe only while none is reassigned and ``train()``/``eval()``
-is not switched after the first call (such a change is not seen: no recompilation)."""
+option names a function of ``torch.compiler`` or :mod:`inductor_ext.guards`): Dynamo stops checking the
+modules' attributes and parameters before each call, which is safe only while none is reassigned and
+``train()``/``eval()`` is not switched after the first call (such a change is not seen: no
+recompilation); ``*_no_parameter_guards`` with :func:`inductor_ext.guards.skip_parameter_guards`, which
+drops only the parameters' guards (what that trades: :mod:`inductor_ext.guards`)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -289,8 +296,9 @@ def compile_arguments(provider: str) -> dict[str, Any]:
     arguments = dict(PROVIDERS[provider] or {})
     if "options" in arguments:
         options = arguments["options"] = dict(arguments["options"])
-        if isinstance(options.get("guard_filter_fn"), str):
-            options["guard_filter_fn"] = getattr(torch.compiler, options["guard_filter_fn"])
+        name = options.get("guard_filter_fn")
+        if isinstance(name, str):
+            options["guard_filter_fn"] = getattr(guards, name, None) or getattr(torch.compiler, name)
     return arguments
 
 
