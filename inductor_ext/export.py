@@ -23,6 +23,7 @@ from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
+from inductor_ext.shared_weights import read_weights, share_weights
 from inductor_ext.tuning.database import TuningDatabase
 
 
@@ -117,8 +118,9 @@ class Package:
     (``get_metadata``, ...) are the loader's.
     """
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         self._runner = runner
+        self._weights = weights  # the package's shared weights, which the runner uses but does not own
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
@@ -151,7 +153,9 @@ def load(path: str | Path) -> Package:
 
 def load_models(path: str | Path) -> dict[str, Package]:
     """Every model of a package by name (:func:`export` writes one, ``"model"``; a generation package
-    more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one)."""
+    more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one). A
+    package that stores its weights once for all its models (:mod:`inductor_ext.shared_weights`) has
+    them read onto its device once and given to every model."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
@@ -160,4 +164,9 @@ def load_models(path: str | Path) -> dict[str, Package]:
     runners = load_pt2(str(path)).aoti_runners
     if not runners:
         raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
-    return {name: Package(runner) for name, runner in runners.items()}
+    device = torch.device(next(iter(runners.values())).get_metadata()["AOTI_DEVICE_KEY"])
+    weights = read_weights(path, device)
+    if weights is not None:
+        for runner in runners.values():
+            share_weights(runner, weights)
+    return {name: Package(runner, weights) for name, runner in runners.items()}

@@ -212,7 +212,7 @@ struct Metadata {
   }
 };
 
-// The package's shared weights (inductor_ext/generation/weights.py) on `device`, by name (tied weights:
+// The package's shared weights (inductor_ext/shared_weights.py) on `device`, by name (tied weights:
 // several names, one tensor); empty if its models hold their own.
 std::unordered_map<std::string, at::Tensor> read_weights(const std::string& path, const at::Device& device) {
   caffe2::serialize::PyTorchStreamReader reader(path);

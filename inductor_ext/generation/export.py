@@ -1,7 +1,7 @@
 """``export_generation``: an HF causal LM's prefill and decode step as one AOTInductor package.
 
 The package holds :class:`~inductor_ext.generation.step.GenerationStep` as several graphs over one copy
-of the weights (:mod:`inductor_ext.generation.weights`):
+of the weights (:mod:`inductor_ext.shared_weights`):
 
 - ``"model"``: a dynamic batch (1..``max_batch_size``) and a dynamic number of new tokens
   (1..``max_seq_len``): the prefill is a call with the prompt's tokens, a decode step at any batch a
@@ -28,7 +28,7 @@ from inductor_ext.generation.attention import check_attention_choice
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import encode
 from inductor_ext.generation.step import GenerationStep
-from inductor_ext.generation.weights import program_weights, write_package
+from inductor_ext.shared_weights import program_weights, write_package
 
 DECODE_GRAPH_OPTIONS = {"coordinate_descent_tuning": True, "fastops.route": "inductor"}
 """Options of the static decode graphs (``options`` passed to ``export_generation`` override them):

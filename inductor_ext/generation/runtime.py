@@ -18,7 +18,6 @@ from torch import Tensor
 from inductor_ext.export import load_models
 from inductor_ext.generation.cache_layout import layer_caches
 from inductor_ext.generation.metadata import decode
-from inductor_ext.generation.weights import read_weights, share_weights
 
 
 class GenerationPackage:
@@ -30,11 +29,6 @@ class GenerationPackage:
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
         self.device = torch.device(device or found["device"])
-        # the weights, once on the device, shared by every graph (held here: the graphs do not own them)
-        self._weights = read_weights(Path(path), self.device)
-        if self._weights is not None:
-            for model in models.values():
-                share_weights(model, self._weights)
         self.step = models["model"]
         sizes = [int(n) for n in found.get("decode_batch_sizes", "").split(",") if n]
         self.decode_steps = {n: models[f"decode_batch_{n}"] for n in sizes}

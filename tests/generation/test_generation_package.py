@@ -7,11 +7,12 @@ decode graphs, the others with its dynamic graph. One export (~25 s) is shared b
 import pytest
 import torch
 
+import inductor_ext
 from inductor_ext.bench.train import build_model
 from inductor_ext.generation import export_generation, load_generation
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.step import GenerationStep
-from inductor_ext.generation.weights import read_weights
+from inductor_ext.shared_weights import read_weights
 
 pytest.importorskip("transformers")
 
@@ -125,6 +126,29 @@ def test_step_matches_the_model_and_writes_the_cache(model):
     keys = out.past_key_values.layers[0].keys
     torch.testing.assert_close(cache[0, 0, :, :, :9], keys, rtol=1e-6, atol=1e-6)
     assert not cache[..., 9:, :].any()
+
+
+def test_inductor_ext_load_runs_a_generation_graph_on_the_shared_weights(model, package_path):
+    """``inductor_ext.load`` of a generation package gives its dynamic graph the package's weights too."""
+    ids = _prompt(model, 2, 9, seed=6)
+    slots = torch.zeros(2, MAX_SEQ, dtype=torch.long)
+    slots[:, :9] = 1
+    inputs = (ids, torch.arange(9).expand(2, 9).contiguous(), torch.arange(9), slots)
+    cache = torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ))
+    with torch.no_grad():
+        want = GenerationStep(model)(*inputs, layer_caches(cache.clone(), 2))
+    got = inductor_ext.load(package_path)(*inputs, layer_caches(cache, 2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, tmp_path):
+    """Inductor's ``freezing`` (no static decode graphs): one graph with its weights, no shared record."""
+    path = export_generation(model, tmp_path / "frozen.pt2", max_batch_size=2, max_seq_len=24,
+                             options={"freezing": True}, decode_batch_sizes=())  # fmt: skip
+    assert read_weights(path, torch.device("cpu")) is None
+    ids = _prompt(model, 1, 5, seed=7)
+    torch.testing.assert_close(load_generation(path).generate(ids, 8, pad_token_id=PAD),
+                               _hf(model, ids, 8, do_sample=False), rtol=0, atol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,13 @@
-"""The weights of a generation package: stored once, shared by its graphs.
+"""The weights of a package with several models (a generation package), stored once and shared.
 
-A generation package holds several AOTInductor models (the prefill-and-decode graph and static decode
-graphs, :mod:`inductor_ext.generation.export`). AOTInductor embeds each model's weights in its own
-library by default, which would store and load a 1B model's 2.5 GB once per graph. Here every model is
-compiled without its weights (``aot_inductor.package_constants_in_so=False``); the package holds them
-once, as the record :data:`WEIGHTS` (the tensor file format, :mod:`inductor_ext.tensor_file`, which the
-C++ loop reads too) and :data:`NAMES` (line ``i``: the space-separated names of tensor ``i``, several
-where the model ties weights). A runtime reads them onto the device once and hands the same tensors to
-every model as user-managed constants (no copy; the runtime keeps them alive).
+AOTInductor embeds each model's weights in its own library by default, which would store and load a
+1B model's 2.5 GB once per graph of a generation package (:mod:`inductor_ext.generation.export`).
+Instead every model is compiled without its weights (``aot_inductor.package_constants_in_so=False``)
+and the package holds them once, as the record :data:`WEIGHTS` (the tensor file format,
+:mod:`inductor_ext.tensor_file`, which the C++ loop reads too) and :data:`NAMES` (line ``i``: the
+space-separated names of tensor ``i``, several where the model ties weights). A runtime
+(:func:`inductor_ext.load_models`, ``csrc/generate.cpp``) reads them onto the device once and hands the
+same tensors to every model as user-managed constants (no copy; the runtime keeps them alive).
 """
 
 from pathlib import Path
