@@ -63,7 +63,7 @@ def measure(module: torch.nn.Module, guard_filter: Any, iters: int, repeats: int
 
     managers: list[tuple[Any, Any]] = []
     previous_hook = guards.guard_manager_testing_hook_fn
-    guards.guard_manager_testing_hook_fn = lambda manager, scope, _builder: managers.append((manager, scope))
+    guards.guard_manager_testing_hook_fn = lambda manager, scope, *_: managers.append((manager, scope))
     try:
         torch._dynamo.reset()
         ids = torch.randint(0, TINY_WIDTHS["vocab_size"], (1, 8))
