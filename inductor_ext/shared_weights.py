@@ -58,12 +58,11 @@ def read_weights(path: Path, device: torch.device) -> dict[str, Tensor] | None:
     reader = PT2ArchiveReader(str(path))
     if NAMES not in reader.get_file_names():
         return None
-    tensors = decode_tensors(reader.read_bytes(WEIGHTS), f"{path}:{WEIGHTS}")
+    tensors = decode_tensors(reader.read_bytes(WEIGHTS), f"{path}:{WEIGHTS}", device)
     names = reader.read_string(NAMES).split("\n")
     if len(names) != len(tensors):
         raise ValueError(f"{path}: {len(tensors)} weight tensors but {len(names)} lines of names")
-    on_device = [tensor.to(device) for tensor in tensors]
-    return {name: tensor for tensor, aliases in zip(on_device, names, strict=True) for name in aliases.split(" ")}
+    return {name: tensor for tensor, aliases in zip(tensors, names, strict=True) for name in aliases.split(" ")}
 
 
 def share_weights(model: Any, weights: dict[str, Tensor]) -> None:

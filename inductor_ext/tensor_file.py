@@ -31,21 +31,28 @@ def encode_tensors(tensors: Sequence[torch.Tensor]) -> bytes:
     return b"".join(chunks)
 
 
-def decode_tensors(data: bytes, source: str) -> list[torch.Tensor]:
-    """The tensors of a tensor file's bytes (``source`` names it in errors)."""
+def decode_tensors(data: bytes, source: str, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The tensors of a tensor file's bytes (``source`` names it in errors), each moved to ``device`` as
+    soon as it is read (host memory beyond ``data``: one tensor at a time)."""
     if data[:4] != MAGIC:
         raise ValueError(f"read_tensors: {source} is not a tensor file (no {MAGIC!r} header)")
+    view = memoryview(data)
     (count,), offset = struct.unpack_from("<I", data, 4), 8
     tensors = []
-    for _ in range(count):
+    for index in range(count):
         code, ndim = struct.unpack_from("<II", data, offset)
+        if code >= len(DTYPES):
+            raise ValueError(f"read_tensors: {source}: tensor {index} has an unknown dtype code {code}")
         offset += 8
         shape = struct.unpack_from(f"<{ndim}q", data, offset)
         offset += 8 * ndim
         dtype = DTYPES[code]
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else None
-        tensors.append(raw.view(dtype).view(shape) if raw is not None else torch.empty(shape, dtype=dtype))
+        if offset + nbytes > len(data):
+            raise ValueError(f"read_tensors: {source} is truncated in tensor {index}")
+        raw = torch.frombuffer(bytearray(view[offset : offset + nbytes]), dtype=torch.uint8) if nbytes else None
+        tensor = raw.view(dtype).view(shape) if raw is not None else torch.empty(shape, dtype=dtype)
+        tensors.append(tensor.to(device))
         offset += nbytes
     return tensors
 

@@ -24,3 +24,8 @@ def test_bad_input_is_refused():
         encode_tensors([torch.zeros(2, dtype=torch.complex64)])
     with pytest.raises(ValueError, match="weights.bin is not a tensor file"):
         decode_tensors(b"NOPE\x00\x00\x00\x00", "weights.bin")
+    data = encode_tensors([torch.ones(4)])
+    with pytest.raises(ValueError, match="weights.bin is truncated in tensor 0"):
+        decode_tensors(data[:-1], "weights.bin")
+    with pytest.raises(ValueError, match="tensor 0 has an unknown dtype code 99"):
+        decode_tensors(data[:8] + (99).to_bytes(4, "little") + data[12:], "weights.bin")
