@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.train import MODELS
+from inductor_ext.bench.train import MODELS, build_model
 from inductor_ext.guards import skip_parameter_guards
 
 FILTERS: dict[str, Any] = {
@@ -37,13 +37,7 @@ TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 256, "
 
 def tiny_width_model(model: str) -> torch.nn.Module:
     """``model``'s structure (layer count, module and tensor layout, tied embeddings) at tiny widths, float32, CPU."""
-    import transformers
-
-    fields = {**MODELS[model], **TINY_WIDTHS}
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return build_model(model, "cpu", torch.float32, **TINY_WIDTHS)
 
 
 def measure(module: torch.nn.Module, guard_filter: Any, iters: int, repeats: int) -> dict[str, Any]:

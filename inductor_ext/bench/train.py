@@ -211,23 +211,24 @@ CATEGORIES = tuple(kernel_us_by_class({}))
 LEARNING_RATE = 1e-4
 
 
-def config_for(model: str) -> Any:
-    """The transformers config of a :data:`MODELS` entry, with SDPA attention."""
+def config_for(model: str, **overrides: Any) -> Any:
+    """The transformers config of a :data:`MODELS` entry (fields replaced by ``overrides``), with SDPA attention."""
     import transformers
 
-    fields = dict(MODELS[model])
+    fields = {**MODELS[model], **overrides}
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     config._attn_implementation = "sdpa"
     return config
 
 
-def build_model(model: str, device: str, dtype: torch.dtype, *, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised causal LM of the given shape: the same weights for the same seed and device."""
+def build_model(model: str, device: str, dtype: torch.dtype, *, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised causal LM of the given shape (config fields replaced by ``overrides``): the
+    same weights for the same seed and device."""
     import transformers
 
     torch.manual_seed(seed)
     with torch.device(device):
-        built = transformers.AutoModelForCausalLM.from_config(config_for(model), dtype=dtype)
+        built = transformers.AutoModelForCausalLM.from_config(config_for(model, **overrides), dtype=dtype)
     return built.train()
 
 

@@ -477,17 +477,18 @@ int main(int argc, char** argv) {
     ids = ids.to(at::Device(options.device)), mask = mask.to(at::Device(options.device));
     // every graph of the package over one copy of the weights, which `weights` keeps alive
     auto weights = read_weights(options.package, at::Device(options.device));
-    std::unordered_map<int64_t, std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> decode_loaders;
-    for (auto n : metadata.decode_batch_sizes) {
-      decode_loaders.emplace(n, std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-                                    options.package, "decode_batch_" + std::to_string(n), /*run_single_threaded=*/true));
+    // the static decode graph for this batch, if the package has one (generation/metadata.py names it)
+    std::unique_ptr<torch::inductor::AOTIModelPackageLoader> static_decode;
+    const auto& sizes = metadata.decode_batch_sizes;
+    if (std::find(sizes.begin(), sizes.end(), ids.size(0)) != sizes.end()) {
+      static_decode = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          options.package, "decode_batch_" + std::to_string(ids.size(0)), /*run_single_threaded=*/true);
     }
     if (!weights.empty()) {
       share_weights(loader, weights);
-      for (auto& [n, decode_loader] : decode_loaders) share_weights(*decode_loader, weights);
+      if (static_decode) share_weights(*static_decode, weights);
     }
-    auto static_decode = decode_loaders.find(ids.size(0));
-    auto& decode_loader = static_decode == decode_loaders.end() ? loader : *static_decode->second;
+    auto& decode_loader = static_decode ? *static_decode : loader;
     Generation generation(loader, decode_loader, metadata, options, ids.size(0));
     std::vector<double> prefill, decode;
     Timing timing, first;

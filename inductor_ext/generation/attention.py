@@ -7,14 +7,14 @@ copies the whole filled cache ``heads / kv_heads`` times over in each layer befo
 at a decode step of the Llama-3.2-1B shape after a 2048-token prompt on the H200, 144 us a token at
 batch 1 (with 164 us of cuDNN attention) and most of the step at batch 64.
 
-- ``"folded_sdpa"`` (:func:`folded_sdpa`): the query heads of a group become query rows, query
+- ``"folded_sdpa"`` (:data:`folded_sdpa`): the query heads of a group become query rows, query
   ``(b, kv_heads * g, t, d)`` -> ``(b, kv_heads, g * t, d)`` (row ``j * t + i`` is head ``j`` of the
   group, token ``i``), the ``(b, 1, t, s)`` mask is repeated ``g`` times along its rows to match, and
   SDPA runs on the cache's ``(b, kv_heads, s, d)`` keys and values: the same attention, as ``g``-times
   fewer, ``g``-times taller problems. Measured (C++ loop): decode 12.96 -> 5.88 ms a token at batch 64,
   2.98 -> 2.56 at batch 8, but 1.66 -> 2.47 at batch 1, where cuDNN runs one program per key/value head
   (8) and takes 1.09 ms a token.
-- ``"decode_attention"`` (:func:`decode_kernel_attention`): our decode-attention op
+- ``"decode_attention"`` (:data:`decode_kernel_attention`): our decode-attention op
   (:mod:`inductor_ext.ops.decode_attention`), split over the cache, for the prefill and every decode
   step (one op for any token count: the exported step, one graph with a symbolic token count, needs no
   run-time branch). Measured: decode 1.66 -> 1.62 ms at batch 1, 2.98 -> 2.85 at batch 8, 12.96 -> 12.04
@@ -32,7 +32,7 @@ runs SDPA (``"sdpa"``, or :mod:`inductor_ext.models.attention`'s, which on a KV 
 implementations (eager, flash attention) are the user's choice and are left alone.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,57 +83,49 @@ def sdpa_on_cache_heads(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
     return out.reshape(batch, heads, tokens, head_dim)
 
 
-def folded_sdpa(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """transformers' attention-interface signature: ``(b, heads, t, d)`` query, ``(b, kv_heads, s, d)``
-    key and value, ``(b or 1, 1, t, s)`` boolean mask in; ``(b, t, heads, d)`` out. The query heads of
-    a group folded into query rows (module docstring); transformers' SDPA attention when there is nothing
-    to fold (as many key/value heads as query heads) or a call it does not take."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[1] == key.shape[1] or _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    assert attention_mask is not None  # checked above
-    return sdpa_on_cache_heads(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
-
-
-def decode_kernel_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """transformers' attention-interface signature: ``(b, heads, t, d)`` query, ``(b, kv_heads, s, d)``
-    key and value (the cache), ``(b or 1, 1, t, s)`` boolean mask in; ``(b, t, heads, d)`` out (module
-    docstring): our decode-attention op on the cache's own heads; transformers' SDPA attention for a
-    call it does not take."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _decode_op_on_cache_heads(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """Our decode-attention op with :func:`sdpa_on_cache_heads`' arguments and result."""
     batch, _, tokens, _ = query.shape
-    if _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    assert attention_mask is not None  # checked above
-    out = decode_attention(query, key, value, attention_mask[:, 0].expand(batch, tokens, key.shape[2]), scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return decode_attention(query, key, value, mask[:, 0].expand(batch, tokens, key.shape[2]), scale)
 
+
+def _attention_interface(
+    attend: Callable[[Tensor, Tensor, Tensor, Tensor, float | None], Tensor], *, only_grouped: bool
+) -> Callable[..., tuple[Tensor, None]]:
+    """A transformers attention-interface function that runs ``attend`` (``(b, heads, t, d)`` query,
+    ``(b, kv_heads, s, d)`` key and value, ``(b or 1, 1, t, s)`` boolean mask, scale -> ``(b, heads, t, d)``)
+    and transformers' SDPA attention for a call ``attend`` does not take (and, if ``only_grouped``, when
+    there are as many key/value heads as query heads: nothing to fold)."""
+
+    def attention(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        ungrouped = only_grouped and query.shape[1] == key.shape[1]
+        if ungrouped or _transformers_sdpa_needed(query, attention_mask, dropout, kwargs):
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                **kwargs,
+            )  # fmt: skip
+        assert attention_mask is not None  # checked above
+        return attend(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+folded_sdpa = _attention_interface(sdpa_on_cache_heads, only_grouped=True)
+"""``"folded_sdpa"``: SDPA with the query heads of a group folded into query rows (module docstring)."""
+decode_kernel_attention = _attention_interface(_decode_op_on_cache_heads, only_grouped=False)
+"""``"decode_attention"``: our decode-attention op on the cache's own heads (module docstring)."""
 
 _VARIANTS = {"folded_sdpa": folded_sdpa, "decode_attention": decode_kernel_attention}
 """Each choice but ``"sdpa"`` -> its attention function."""

@@ -26,7 +26,7 @@ import torch
 from inductor_ext.export import compile_program, export_program
 from inductor_ext.generation.attention import check_attention_choice
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
-from inductor_ext.generation.metadata import encode
+from inductor_ext.generation.metadata import decode_graph_name, encode
 from inductor_ext.generation.step import GenerationStep
 from inductor_ext.shared_weights import program_weights, write_package
 
@@ -161,7 +161,7 @@ def export_generation(
             models = {"model": compile_program(program, patches)}
             for n in decode_batch_sizes:
                 static = export_program(step, tuple(example(n, 1).values()))
-                models[f"decode_batch_{n}"] = compile_program(static, {**DECODE_GRAPH_OPTIONS, **patches})
+                models[decode_graph_name(n)] = compile_program(static, {**DECODE_GRAPH_OPTIONS, **patches})
             return write_package(Path(path), models, None if frozen else program_weights(program))
     finally:
         model.train(was_training)

@@ -21,3 +21,8 @@ def encode(values: Mapping[str, Any]) -> dict[str, str]:
 def decode(metadata: Mapping[str, str]) -> dict[str, str]:
     """The generation entries of a package's metadata, without the prefix (empty if there are none)."""
     return {k.removeprefix(PREFIX): v for k, v in metadata.items() if k.startswith(PREFIX)}
+
+
+def decode_graph_name(batch: int) -> str:
+    """The package's model name of the static decode graph for ``batch`` (``csrc/generate.cpp`` spells it too)."""
+    return f"decode_batch_{batch}"

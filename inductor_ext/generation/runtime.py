@@ -17,7 +17,7 @@ from torch import Tensor
 
 from inductor_ext.export import load_models
 from inductor_ext.generation.cache_layout import layer_caches
-from inductor_ext.generation.metadata import decode
+from inductor_ext.generation.metadata import decode, decode_graph_name
 
 
 class GenerationPackage:
@@ -31,7 +31,7 @@ class GenerationPackage:
         self.device = torch.device(device or found["device"])
         self.step = models["model"]
         sizes = [int(n) for n in found.get("decode_batch_sizes", "").split(",") if n]
-        self.decode_steps = {n: models[f"decode_batch_{n}"] for n in sizes}
+        self.decode_steps = {n: models[decode_graph_name(n)] for n in sizes}
         """The static decode graphs by batch size (other batches decode with :attr:`step`)."""
         self.max_batch_size = int(found["max_batch_size"])
         self.max_seq_len = int(found["max_seq_len"])
