@@ -127,6 +127,8 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                           "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
     "fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
                                              "options": {"guard_filter_fn": "skip_parameter_guards"}},
+    "torch_compile_cudagraphs": {"mode": "reduce-overhead"},
+    "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
     "liger_eager": None,
     "patched_eager": None,
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
@@ -184,7 +186,9 @@ option names a function of ``torch.compiler`` or :mod:`inductor_ext.guards`): Dy
 modules' attributes and parameters before each call, which is safe only while none is reassigned and
 ``train()``/``eval()`` is not switched after the first call (such a change is not seen: no
 recompilation); ``*_no_parameter_guards`` with :func:`inductor_ext.guards.skip_parameter_guards`, which
-drops only the parameters' guards (what that trades: :mod:`inductor_ext.guards`)."""
+drops only the parameters' guards (what that trades: :mod:`inductor_ext.guards`); ``*_cudagraphs`` compile
+with ``mode="reduce-overhead"``: the forward and the backward replayed as CUDA graphs (cudagraph trees;
+each step begins with ``torch.compiler.cudagraph_mark_step_begin()``)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -312,7 +316,11 @@ def make_step(
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
 
+    cudagraphs = (PROVIDERS[provider] or {}).get("mode") == "reduce-overhead"
+
     def step(batch: torch.Tensor | packing.Batch) -> torch.Tensor:
+        if cudagraphs:  # the graphs' outputs (the loss, the gradients) are rewritten by the next step's replay
+            torch.compiler.cudagraph_mark_step_begin()
         if isinstance(batch, packing.Batch):
             # without a KV cache transformers builds the document mask from position_ids; padded: the same call
             kwargs: dict[str, Any] = {**batch.model_kwargs(), "use_cache": False}
@@ -324,7 +332,7 @@ def make_step(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone() if cudagraphs else loss.detach()
 
     return step
 

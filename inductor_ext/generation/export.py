@@ -38,12 +38,10 @@ graph's cuBLAS calls; docs/benchmarks.md)."""
 
 
 def _generation_setting(model: torch.nn.Module, name: str) -> Any:
-    """``name`` from the model's generation config, else from its config (as ``generate`` reads them)."""
-    for config in (getattr(model, "generation_config", None), model.config):
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
+    """``name`` as ``generate`` reads it: from the model's generation config when it has one (a ``None``
+    there means none, even where the model's config names one), else from its config."""
+    generation_config = getattr(model, "generation_config", None)
+    return getattr(generation_config if generation_config is not None else model.config, name, None)
 
 
 def _eos_token_ids(model: torch.nn.Module) -> list[int]:

@@ -181,9 +181,18 @@ def test_the_graphs_share_one_copy_of_the_weights(model, package, package_path):
 
 
 def test_a_package_without_static_decode_graphs_generates_hf_tokens(model, tmp_path):
-    path = export_generation(model, tmp_path / "dynamic.pt2", max_batch_size=2, max_seq_len=24, decode_batch_sizes=())
+    """Also: no end-of-sequence token in the generation config means none, as in ``generate``, though the
+    model's config names one (it did stop the package's rows early)."""
+    assert model.config.eos_token_id is not None
+    model.generation_config.eos_token_id = None
+    try:
+        path = export_generation(model, tmp_path / "dynamic.pt2", max_batch_size=2, max_seq_len=24,
+                                 decode_batch_sizes=())  # fmt: skip
+    finally:
+        model.generation_config.eos_token_id = model.config.eos_token_id
     package = load_generation(path)
     assert package.decode_steps == {}
+    assert package.eos_token_ids.numel() == 0
     ids = _prompt(model, 1, 5, seed=4)
     torch.testing.assert_close(package.generate(ids, 8, pad_token_id=PAD), _hf(model, ids, 8, do_sample=False),
                                rtol=0, atol=0)  # fmt: skip
