@@ -30,8 +30,11 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
     # --qlora and --cpp-wrapper tests)
     # (on CPU "reduce-overhead" records no CUDA graph: the _cudagraphs provider checks its step's bookkeeping)
     compiled = ("fastops_inductor", "fastops_inductor_no_parameter_guards", "fastops_inductor_cudagraphs")
-    results, stdout = run_tiny_bench(tmp_path, "hf_eager", *compiled)
+    # (--kernel-table: on CPU its profiled steps run unprofiled, and no table is made)
+    flags = ("--profile-steps", "1", "--kernel-table")
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", *compiled, flags=flags)
     assert list(results) == ["hf_eager", *compiled]
+    assert not any("kernel_table" in r or "gpu_idle_ms" in r for r in results.values())
     eager = results["hf_eager"]
     for ours in (results[name] for name in compiled):
         # the first step, 2 timed ones synchronised each, 2 timed together
@@ -80,11 +83,14 @@ def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
         return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
                 "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
 
-    ours = {**result(125.0, 3.25), "graph_breaks": {"a reason": 2, "another": 1}}
+    ours = {**result(125.0, 3.25), "graph_breaks": {"a reason": 2, "another": 1},
+            "gpu_idle_ms": {"launch_gaps": 1.24, "host_waits": 0.5}}  # fmt: skip
     rows = train.summarize({"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": ours})
     assert [(r["provider"], r["x torch.compile"], r["- hf_eager"], r["graph breaks"]) for r in rows] == [
         ("hf_eager", 0.5, 0.0, 0), ("torch_compile", 1.0, 0.5, 0), ("ours", 1.25, 0.25, 3)
     ]  # fmt: skip
+    idle = [(r["GPU idle: launch gaps ms"], r["GPU idle: host waits ms"]) for r in rows]
+    assert idle == [(None, None), (None, None), (1.2, 0.5)]
 
 
 @pytest.mark.slow
@@ -107,6 +113,7 @@ def test_loss_chunk_size_reaches_the_patched_loss(tmp_path, monkeypatch):
         (["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1"),
         (["--providers", "nope"], "invalid choice"),
         (["--model", "gpt-17"], "invalid choice"),
+        (["--kernel-table", "--profile-steps", "0"], "--kernel-table needs --profile-steps >= 1"),
         ([], "needs a CUDA GPU"),
     ],
 )

@@ -8,8 +8,12 @@ class or allocator state carried over), on the same seeded weights and token bat
 provider: tokens/s (median over ``--steps`` timed steps after warm-up, wall clock), peak
 memory over those steps, the first step's seconds (compile included), the final loss next
 to ``hf_eager``'s, and one profiled step's GPU time per kernel category (GEMMs, attention,
-optimizer, everything else) with the largest "everything else" kernels. Writes
+optimizer, everything else) with the largest "everything else" kernels, and the GPU's busy and idle
+time a step (idle in launch gaps of up to 5 us and in longer waits for the host). Writes
 ``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
+``--kernel-table`` adds a profiled step that gives each kernel Inductor launches its bytes, GB/s
+and percent of the measured copy bandwidth (:mod:`inductor_ext.bench.kernel_table`), printed per
+provider as a GitHub table and stored as ``kernel_table`` in the JSON.
 
 ``--cpp-wrapper`` runs the backend with Inductor's C++ wrapper (``options={"cpp_wrapper": True}``)
 beside the Python wrapper, each with an empty tuning database and with one the standalone tuner
@@ -82,16 +86,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext import guards
-from inductor_ext.bench import fsdp, packing
+from inductor_ext.bench import fsdp, kernel_table, packing
 from inductor_ext.bench.harness import (
     ClockSampler,
+    copy_bandwidth_gbps,
     fresh_cache_env,
     kernel_class,
-    kernel_us,
     kernel_us_by_class,
     print_child_result,
     run_child,
 )
+from inductor_ext.bench.kernel_table import gpu_timeline, kernel_rows, launch_bytes
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -395,7 +400,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     if ranks > 1:
         fsdp.shard(model)
     optimizer_step = make_step(model, provider, args.attention_mask)
-    count = args.warmup + 2 * args.steps + 1 + args.profile_steps
+    count = args.warmup + 2 * args.steps + 1 + args.profile_steps + args.kernel_table
     # a step is a list of batches: one, or (``*_padded``) the padded batches of one packed batch's documents
     data: list[list[Any]]
     if provider in PACKED_PROVIDERS:
@@ -439,13 +444,21 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     sync()
     unsynced_s = (time.perf_counter() - start) / len(unsynced)
     # the padded providers profile steps they already compiled for (a new step could compile new graphs)
-    profiled = timed[: args.profile_steps] if provider.endswith("_padded") else data[1 + args.warmup + 2 * args.steps :]
-    if rank == 0:
-        kernels = _profile(step, profiled, on_gpu) if args.profile_steps else {}
-    else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled
-        kernels = {}
-        for unit in profiled:
+    after = 1 + args.warmup + 2 * args.steps
+    profiled = timed[: args.profile_steps] if provider.endswith("_padded") else data[after : after + args.profile_steps]
+    # --kernel-table: one more step, with the host-side records that give each Inductor kernel's bytes
+    sized = (timed[:1] if provider.endswith("_padded") else data[after + args.profile_steps :])[: args.kernel_table]
+    timeline = table = None
+    if rank == 0 and on_gpu:
+        remaining = iter(profiled)
+        timeline = gpu_timeline(lambda: step(next(remaining)), len(profiled)) if profiled else None
+        if sized and timeline is not None:
+            launched = launch_bytes(lambda: step(sized[0]))
+            table = kernel_rows(timeline, launched, copy_bandwidth_gbps())
+    else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled; CPU: no kernels
+        for unit in [*profiled, *sized]:
             step(unit)
+    kernels = {} if timeline is None else {name: us / 1e3 for name, us in timeline.kernel_us.items()}
     median_s = statistics.median(step_s)
     categories = kernel_us_by_class(kernels)  # the per-class sum; here in ms
     loss_values = [float(loss) for loss in losses]
@@ -485,6 +498,17 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         "gpu_ms_by_category": categories,
         "gpu_ms_total": sum(categories.values()),
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
+        # the GPU's time a profiled step: busy (any kernel running), idle in gaps of up to 5 us between
+        # kernels (launch latency) and in longer ones (waiting for the host); kernel_table.gpu_timeline
+        **(
+            {}
+            if timeline is None
+            else {
+                "gpu_busy_ms": timeline.busy_us / 1e3,
+                "gpu_idle_ms": {"launch_gaps": timeline.launch_gap_us / 1e3, "host_waits": timeline.host_wait_us / 1e3},
+            }
+        ),
+        **({} if table is None else {"kernel_table": table}),
         # Dynamo's graph breaks over the whole run, by reason (none for eager providers)
         "graph_breaks": {str(reason): count for reason, count in counters["graph_break"].items()},
         **documents,
@@ -496,14 +520,6 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     return result
 
 
-def _profile(step: Callable[[list[Any]], Any], data: list[list[Any]], on_gpu: bool) -> dict[str, float]:
-    """GPU ms per step in each kernel (by name), from the profiler over the given steps (lists of batches)."""
-    if not on_gpu:
-        return {}
-    remaining = iter(data)
-    return {name: us / 1e3 for name, us in kernel_us(lambda: step(next(remaining)), steps=len(data)).items()}
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m inductor_ext.bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -513,6 +529,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, not timed")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps for the GPU-time table (0: none)")
+    p.add_argument(
+        "--kernel-table",
+        action="store_true",
+        help="one more profiled step: each kernel's bytes, GB/s and %% of the copy bandwidth (needs --profile-steps)",
+    )
     p.add_argument("--providers", nargs="+", choices=sorted(PROVIDERS),
                    help=f"default: {' '.join(DEFAULT_PROVIDERS)}; with --packed, {' '.join(PACKED_PROVIDERS)}")  # fmt: skip
     p.add_argument(
@@ -557,6 +578,8 @@ def parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> str | None:
     if min(args.batch, args.seq, args.steps, args.nproc) < 1 or min(args.warmup, args.profile_steps) < 0:
         return "--batch, --seq, --steps and --nproc must be >= 1; --warmup and --profile-steps >= 0"
+    if args.kernel_table and not args.profile_steps:
+        return "--kernel-table needs --profile-steps >= 1 (the kernels' times)"
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         return "--loss-chunk-size must be >= 1"
     packed = [p for p in args.providers or () if p in PACKED_PROVIDERS]
@@ -591,6 +614,8 @@ def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
     flags = ["--model", args.model, "--batch", args.batch, "--seq", args.seq, "--steps", args.steps,
              "--warmup", args.warmup, "--profile-steps", args.profile_steps, "--attention-mask",
              args.attention_mask, "--device", args.device, "--worker", provider]  # fmt: skip
+    if args.kernel_table:
+        flags += ["--kernel-table"]
     if args.loss_chunk_size is not None:
         flags += ["--loss-chunk-size", args.loss_chunk_size]
     if args.packed:
@@ -668,6 +693,9 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["wall ms"] = round(r["step_ms_median"], 1)
         row["wall ms no sync"] = round(r["step_ms_unsynced"], 1) if "step_ms_unsynced" in r else None
         row["wall - GPU ms"] = round(r["step_ms_median"] - r["gpu_ms_total"], 1) if r["gpu_ms_total"] else None
+        idle = r.get("gpu_idle_ms")  # absent in files written before it, and on CPU
+        row["GPU idle: launch gaps ms"] = round(idle["launch_gaps"], 1) if idle else None
+        row["GPU idle: host waits ms"] = round(idle["host_waits"], 1) if idle else None
         row["tune s"] = round(r["tune_s"], 1) if r.get("tune_s") is not None else None
         row["SM MHz"] = round(r["timed_steps_gpu"]["sm_clock_mhz"]) if r.get("timed_steps_gpu") else None
         row["graph breaks"] = sum(r.get("graph_breaks", {}).values())  # absent in files written before it
@@ -773,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
         for category in ("attention", "other"):
             top = [(k, v) for k, v in r["kernels_ms"].items() if kernel_class(k) == category][:6]
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
+        if "kernel_table" in r:
+            print(f"\n{name}: kernels of a step\n{kernel_table.markdown(r['kernel_table'])}\n")
     if results and args.device == "cuda":
         documents = ", packed documents" if args.packed else ""
         quantised = " QLoRA (NF4)" if args.qlora else ""
