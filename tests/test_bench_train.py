@@ -29,7 +29,12 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
     # (the patched model's providers run in test_loss_chunk_size_reaches_the_patched_loss and the --lora,
     # --qlora and --cpp-wrapper tests)
     # (on CPU "reduce-overhead" records no CUDA graph: the _cudagraphs provider checks its step's bookkeeping)
-    compiled = ("fastops_inductor", "fastops_inductor_no_parameter_guards", "fastops_inductor_cudagraphs")
+    compiled = (
+        "fastops_inductor",
+        "fastops_inductor_no_parameter_guards",
+        "fastops_inductor_cudagraphs",
+        "fastops_inductor_compiled_adamw",
+    )
     # (--kernel-table: on CPU its profiled steps run unprofiled, and no table is made)
     flags = ("--profile-steps", "1", "--kernel-table")
     results, stdout = run_tiny_bench(tmp_path, "hf_eager", *compiled, flags=flags)

@@ -134,6 +134,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                              "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "torch_compile_cudagraphs": {"mode": "reduce-overhead"},
     "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
+    "fastops_inductor_compiled_adamw": {"backend": "fastops_inductor"},
     "liger_eager": None,
     "patched_eager": None,
     "patched_fastops_inductor": {"backend": "fastops_inductor"},
@@ -193,7 +194,9 @@ modules' attributes and parameters before each call, which is safe only while no
 recompilation); ``*_no_parameter_guards`` with :func:`inductor_ext.guards.skip_parameter_guards`, which
 drops only the parameters' guards (what that trades: :mod:`inductor_ext.guards`); ``*_cudagraphs`` compile
 with ``mode="reduce-overhead"``: the forward and the backward replayed as CUDA graphs (cudagraph trees;
-each step begins with ``torch.compiler.cudagraph_mark_step_begin()``)."""
+each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compiled_adamw`` step a
+``foreach`` AdamW compiled by ``torch.compile`` (Inductor's horizontally fused kernels) instead of the
+fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -319,7 +322,12 @@ def make_step(
     ``--packed`` run's :class:`~inductor_ext.bench.packing.Batch`; returns the loss."""
     forward: Any = model if PROVIDERS[provider] is None else torch.compile(model, **compile_arguments(provider))
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
+    if provider.endswith("_compiled_adamw"):
+        optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, foreach=True)
+        optimizer_step = torch.compile(optimizer.step)
+    else:
+        optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, fused=trained[0].is_cuda)
+        optimizer_step = optimizer.step
 
     cudagraphs = (PROVIDERS[provider] or {}).get("mode") == "reduce-overhead"
 
@@ -335,7 +343,7 @@ def make_step(
                 kwargs["attention_mask"] = torch.ones_like(batch)
         loss = forward(**kwargs).loss
         loss.backward()
-        optimizer.step()
+        optimizer_step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach().clone() if cudagraphs else loss.detach()
 
