@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from inductor_ext.bench.kernel_table import LAUNCH_GAP_US, Timeline, bytes_from_trace, idle_gaps, kernel_rows, markdown
+from inductor_ext.bench.harness import LAUNCH_GAP_US, Timeline, idle_gaps
+from inductor_ext.bench.kernel_table import bytes_from_trace, kernel_rows, markdown
 
 
 def test_idle_gaps_split_launch_gaps_from_host_waits_over_overlapping_streams():

@@ -16,7 +16,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -184,19 +184,65 @@ def mean_clock_and_power(smi_csv: str) -> dict[str, float] | None:
     return {"sm_clock_mhz": statistics.fmean(s[0] for s in samples), "power_w": statistics.fmean(s[1] for s in samples)}
 
 
-def kernel_us(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
-    """GPU µs per call of ``step`` in each kernel (by name), from the profiler over ``steps`` calls."""
+LAUNCH_GAP_US = 5.0
+"""Longest idle gap between two kernels counted as launch latency rather than waiting for the host."""
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Per step: GPU µs and launches per kernel name, and the GPU's busy and idle µs."""
+
+    kernel_us: dict[str, float]
+    calls: dict[str, float]
+    busy_us: float
+    launch_gap_us: float
+    host_wait_us: float
+
+
+def idle_gaps(intervals: Iterable[tuple[float, float]]) -> tuple[float, float, float]:
+    """(busy, short gaps, long gaps) µs of kernel ``(start, end)`` intervals on any streams: the union's
+    length, and the gaps between its pieces up to :data:`LAUNCH_GAP_US` and longer."""
+    busy = short = long = 0.0
+    reach = None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            if reach is not None:
+                gap = start - reach
+                short, long = (short + gap, long) if gap <= LAUNCH_GAP_US else (short, long + gap)
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy, short, long
+
+
+def gpu_timeline(step: Callable[[], Any], steps: int) -> Timeline:
+    """Profile ``steps`` calls of ``step`` on the GPU only (no host-side events: the profiler adds no host
+    time between launches); per call: each kernel's µs and launches, the union of the kernels' intervals
+    (busy), and the idle gaps between them split at :data:`LAUNCH_GAP_US` (:func:`idle_gaps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
+    kernel_us: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    intervals = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / steps
-    return totals
+            kernel_us[event.name] = kernel_us.get(event.name, 0.0) + event.device_time / steps
+            calls[event.name] = calls.get(event.name, 0.0) + 1 / steps
+            intervals.append((event.time_range.start, event.time_range.end))
+    busy, short, long = idle_gaps(intervals)
+    # the gaps between steps are the caller's (a sync, the next step's guards): they count here too
+    return Timeline(kernel_us, calls, busy / steps, short / steps, long / steps)
+
+
+def kernel_us(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
+    """GPU µs per call of ``step`` in each kernel (by name), from the profiler over ``steps`` calls."""
+    return gpu_timeline(step, steps).kernel_us
 
 
 def kernel_us_by_class(kernels: Mapping[str, float]) -> dict[str, float]:

@@ -2,10 +2,7 @@
 the bytes its launch arguments hold and its rate against the measured copy bandwidth; and how long the
 GPU sat idle between kernels.
 
-- **Time and idle gaps** (:func:`gpu_timeline`): a profile of the GPU only (no host-side events, so the
-  profiler adds no host time between launches). The union of the kernels' intervals is the GPU's busy
-  time; a gap between one kernel's end and the next one's start of at most :data:`LAUNCH_GAP_US` is a
-  launch's own latency, a longer one the GPU waiting for the host.
+- **Time and idle gaps**: :func:`inductor_ext.bench.harness.gpu_timeline`.
 - **Bytes** (:func:`launch_bytes`): Inductor records each Triton kernel it launches (its own and ours,
   lowered into its graphs) under the kernel's name with the kernel's arguments; with ``record_shapes``
   the trace holds every tensor argument's sizes and dtype, and their sum is the bytes of every buffer
@@ -17,17 +14,13 @@ GPU sat idle between kernels.
 import json
 import math
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import kernel_class
-
-LAUNCH_GAP_US = 5.0
-"""Longest idle gap between two kernels counted as launch latency rather than waiting for the host."""
+from inductor_ext.bench.harness import Timeline, kernel_class
 
 _TRACE_DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32, "double": torch.float64, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16,
@@ -36,56 +29,6 @@ _TRACE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }  # fmt: skip
 """The profiler's names of tensor dtypes in a trace's ``Input type`` (others, e.g. ``Scalar``: not tensors)."""
-
-
-@dataclass
-class Timeline:
-    """Per step: GPU µs and launches per kernel name, and the GPU's busy and idle µs."""
-
-    kernel_us: dict[str, float]
-    calls: dict[str, float]
-    busy_us: float
-    launch_gap_us: float
-    host_wait_us: float
-
-
-def idle_gaps(intervals: Iterable[tuple[float, float]]) -> tuple[float, float, float]:
-    """(busy, short gaps, long gaps) µs of kernel ``(start, end)`` intervals on any streams: the union's
-    length, and the gaps between its pieces up to :data:`LAUNCH_GAP_US` and longer."""
-    busy = short = long = 0.0
-    reach = None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            if reach is not None:
-                gap = start - reach
-                short, long = (short + gap, long) if gap <= LAUNCH_GAP_US else (short, long + gap)
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    return busy, short, long
-
-
-def gpu_timeline(step: Callable[[], Any], steps: int) -> Timeline:
-    """Profile ``steps`` calls of ``step`` on the GPU (module docstring); averages per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernel_us: dict[str, float] = {}
-    calls: dict[str, float] = {}
-    intervals = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us[event.name] = kernel_us.get(event.name, 0.0) + event.device_time / steps
-            calls[event.name] = calls.get(event.name, 0.0) + 1 / steps
-            intervals.append((event.time_range.start, event.time_range.end))
-    busy, short, long = idle_gaps(intervals)
-    # the gaps between steps are the caller's (a sync, the next step's guards): they count here too
-    return Timeline(kernel_us, calls, busy / steps, short / steps, long / steps)
 
 
 def bytes_from_trace(trace: Mapping[str, Any]) -> dict[str, float]:

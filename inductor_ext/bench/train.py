@@ -86,17 +86,18 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext import guards
-from inductor_ext.bench import fsdp, kernel_table, packing
+from inductor_ext.bench import fsdp, packing
 from inductor_ext.bench.harness import (
     ClockSampler,
     copy_bandwidth_gbps,
     fresh_cache_env,
+    gpu_timeline,
     kernel_class,
     kernel_us_by_class,
     print_child_result,
     run_child,
 )
-from inductor_ext.bench.kernel_table import gpu_timeline, kernel_rows, launch_bytes
+from inductor_ext.bench.kernel_table import kernel_rows, launch_bytes, markdown
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -810,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             top = [(k, v) for k, v in r["kernels_ms"].items() if kernel_class(k) == category][:6]
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
         if "kernel_table" in r:
-            print(f"\n{name}: kernels of a step\n{kernel_table.markdown(r['kernel_table'])}\n")
+            print(f"\n{name}: kernels of a step\n{markdown(r['kernel_table'])}\n")
     if results and args.device == "cuda":
         documents = ", packed documents" if args.packed else ""
         quantised = " QLoRA (NF4)" if args.qlora else ""
