@@ -65,6 +65,24 @@ def test_compile_arguments_resolve_the_guard_filter_and_leave_the_registry_alone
     assert ours is inductor_ext.guards.skip_parameter_guards
 
 
+def test_phase_peaks_keep_each_phases_largest_peak_and_reset_between_phases(monkeypatch):
+    allocated = iter([5.0, 9.0, 7.0, 6.0, 8.0, 7.5])  # the allocator's peak at each phase's end, two steps
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated) * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    phases = train.PhasePeaks()
+    phases.begin()
+    phases.end("forward")  # not recording: nothing read or reset
+    assert phases.gib == {} and resets == []
+    phases.recording = True
+    for _ in range(2):
+        phases.begin()
+        for phase in ("forward", "backward", "optimizer"):
+            phases.end(phase)
+    assert phases.gib == {"forward": 6.0, "backward": 9.0, "optimizer": 7.5}
+    assert len(resets) == 8  # each step's start and each phase's end
+
+
 def test_built_models_match_the_registry_and_are_reproducible():
     first = train.build_model("tiny-llama", "cpu", torch.float32, seed=3)
     second = train.build_model("tiny-llama", "cpu", torch.float32, seed=3)

@@ -9,7 +9,8 @@ provider: tokens/s (median over ``--steps`` timed steps after warm-up, wall cloc
 memory over those steps, the first step's seconds (compile included), the final loss next
 to ``hf_eager``'s, and one profiled step's GPU time per kernel category (GEMMs, attention,
 optimizer, everything else) with the largest "everything else" kernels, and the GPU's busy and idle
-time a step (idle in launch gaps of up to 5 us and in longer waits for the host). Writes
+time a step (idle in launch gaps of up to 5 us and in longer waits for the host) and each phase's peak
+memory (forward, backward, optimizer) over the profiled steps. Writes
 ``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
 ``--kernel-table`` adds a profiled step that gives each kernel Inductor launches its bytes, GB/s
 and percent of the measured copy bandwidth (:mod:`inductor_ext.bench.kernel_table`), printed per
@@ -316,11 +317,32 @@ def compile_arguments(provider: str) -> dict[str, Any]:
     return arguments
 
 
+class PhasePeaks:
+    """Peak GiB allocated in each phase of the steps taken while ``recording``: ``"forward"``,
+    ``"backward"``, ``"optimizer"`` (the step and ``zero_grad``). The caching allocator's own peak, reset
+    at each phase's start; its bookkeeping is the host's, in program order, so no sync is needed."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.gib: dict[str, float] = {}
+
+    def begin(self) -> None:
+        if self.recording:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, phase: str) -> None:
+        if self.recording:
+            self.gib[phase] = max(self.gib.get(phase, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+
+
 def make_step(
-    model: torch.nn.Module, provider: str, attention_mask: str
+    model: torch.nn.Module, provider: str, attention_mask: str, phases: PhasePeaks | None = None
 ) -> Callable[[torch.Tensor | packing.Batch], torch.Tensor]:
     """One optimizer step of ``provider`` on a batch of token ids (labels = ids, HF shifts them) or on a
-    ``--packed`` run's :class:`~inductor_ext.bench.packing.Batch`; returns the loss."""
+    ``--packed`` run's :class:`~inductor_ext.bench.packing.Batch`; returns the loss. ``phases``: where the
+    step reports its phases' peak memory."""
+    phases = phases or PhasePeaks()
     forward: Any = model if PROVIDERS[provider] is None else torch.compile(model, **compile_arguments(provider))
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     if provider.endswith("_compiled_adamw"):
@@ -342,10 +364,14 @@ def make_step(
             kwargs = {"input_ids": batch, "labels": batch}
             if attention_mask == "ones":
                 kwargs["attention_mask"] = torch.ones_like(batch)
+        phases.begin()
         loss = forward(**kwargs).loss
+        phases.end("forward")
         loss.backward()
+        phases.end("backward")
         optimizer_step()
         optimizer.zero_grad(set_to_none=True)
+        phases.end("optimizer")
         return loss.detach().clone() if cudagraphs else loss.detach()
 
     return step
@@ -408,7 +434,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         enable_checkpointing(model, _checkpoint_policy(provider))
     if ranks > 1:
         fsdp.shard(model)
-    optimizer_step = make_step(model, provider, args.attention_mask)
+    phases = PhasePeaks()
+    optimizer_step = make_step(model, provider, args.attention_mask, phases)
     count = args.warmup + 2 * args.steps + 1 + args.profile_steps + args.kernel_table
     # a step is a list of batches: one, or (``*_padded``) the padded batches of one packed batch's documents
     data: list[list[Any]]
@@ -459,8 +486,10 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     sized = (timed[:1] if provider.endswith("_padded") else data[after + args.profile_steps :])[: args.kernel_table]
     timeline = table = None
     if rank == 0 and on_gpu:
+        phases.recording = True  # the profiled steps also record their phases' peak memory
         remaining = iter(profiled)
         timeline = gpu_timeline(lambda: step(next(remaining)), len(profiled)) if profiled else None
+        phases.recording = False
         if sized and timeline is not None:
             launched = launch_bytes(lambda: step(sized[0]))
             table = kernel_rows(timeline, launched, copy_bandwidth_gbps())
@@ -518,6 +547,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             }
         ),
         **({} if table is None else {"kernel_table": table}),
+        **({"peak_gib_by_phase": phases.gib} if phases.gib else {}),
         # Dynamo's graph breaks over the whole run, by reason (none for eager providers)
         "graph_breaks": {str(reason): count for reason, count in counters["graph_break"].items()},
         **documents,
@@ -810,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         for category in ("attention", "other"):
             top = [(k, v) for k, v in r["kernels_ms"].items() if kernel_class(k) == category][:6]
             print(f"{name}, largest {category} kernels (ms/step): " + ", ".join(f"{k[:70]} {v:.2f}" for k, v in top))
+        if "peak_gib_by_phase" in r:
+            print(f"{name}, peak GiB by phase: " + ", ".join(f"{k} {v:.2f}" for k, v in r["peak_gib_by_phase"].items()))
         if "kernel_table" in r:
             print(f"\n{name}: kernels of a step\n{markdown(r['kernel_table'])}\n")
     if results and args.device == "cuda":
