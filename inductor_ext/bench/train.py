@@ -436,7 +436,8 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         fsdp.shard(model)
     phases = PhasePeaks()
     optimizer_step = make_step(model, provider, args.attention_mask, phases)
-    count = args.warmup + 2 * args.steps + 1 + args.profile_steps + args.kernel_table
+    sized_steps = 1 if args.kernel_table else 0  # --kernel-table: one more step, for the kernels' bytes
+    count = args.warmup + 2 * args.steps + 1 + args.profile_steps + sized_steps
     # a step is a list of batches: one, or (``*_padded``) the padded batches of one packed batch's documents
     data: list[list[Any]]
     if provider in PACKED_PROVIDERS:
@@ -483,7 +484,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
     after = 1 + args.warmup + 2 * args.steps
     profiled = timed[: args.profile_steps] if provider.endswith("_padded") else data[after : after + args.profile_steps]
     # --kernel-table: one more step, with the host-side records that give each Inductor kernel's bytes
-    sized = (timed[:1] if provider.endswith("_padded") else data[after + args.profile_steps :])[: args.kernel_table]
+    sized = (timed if provider.endswith("_padded") else data[after + args.profile_steps :])[:sized_steps]
     timeline = table = None
     if rank == 0 and on_gpu:
         phases.recording = True  # the profiled steps also record their phases' peak memory
