@@ -135,6 +135,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
                                              "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "torch_compile_cudagraphs": {"mode": "reduce-overhead"},
+    "fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
     "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
     "fastops_inductor_compiled_adamw": {"backend": "fastops_inductor"},
     "liger_eager": None,
@@ -144,6 +145,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                                   "options": {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}},
     "patched_fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
                                                      "options": {"guard_filter_fn": "skip_parameter_guards"}},
+    "patched_fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -198,7 +200,9 @@ drops only the parameters' guards (what that trades: :mod:`inductor_ext.guards`)
 with ``mode="reduce-overhead"``: the forward and the backward replayed as CUDA graphs (cudagraph trees;
 each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compiled_adamw`` step a
 ``foreach`` AdamW compiled by ``torch.compile`` (Inductor's horizontally fused kernels) instead of the
-fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors)."""
+fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_norms`` compile with
+``fastops.recompute_norms`` off: the backward reads the saved norm outputs instead of recomputing them
+(:mod:`inductor_ext.inductor.recompute`)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",

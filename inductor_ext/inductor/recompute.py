@@ -1,0 +1,79 @@
+"""Norm outputs recomputed in the backward instead of saved (``fastops.recompute_norms``).
+
+In a decoder layer the normalised hidden state ``y = norm(x)`` feeds matrix products (the q/k/v
+projections, the gate/up projections, the LM head), whose weight gradients need ``y`` in the
+backward. AOTAutograd's partitioner saves ``y`` for them: it never recomputes a value that a matmul
+reads in the backward (the recompute would not fuse into it), nor an opaque op such as our norm's
+kernel. Yet the norm's own backward saves its input ``x`` anyway, and ``y`` is one pass over ``x``:
+recomputing it costs one norm-forward kernel in the backward and saves ``N H`` elements per norm.
+
+This pass marks each RMSNorm and LayerNorm forward call whose output reaches a matrix product
+``MUST_RECOMPUTE`` in the Dynamo graph, the checkpoint policy that ``torch.utils.checkpoint``'s
+selective checkpointing sets; AOTAutograd copies it onto every node it traces from that call (on our
+kernel route the Triton kernel's node, on the Inductor route the aten math) and the partitioner then
+recomputes those nodes in the backward, placed just before their first use (it reorders the backward
+as autograd's engine runs it), so one norm output at a time is alive there.
+
+For a Llama-shaped decoder that is two ``N H`` tensors per layer: with ``N = 8192`` tokens and
+``H = 2048`` in bf16, 64 MiB a layer, 1 GiB over Llama-3.2-1B's 16 layers, for 32 norm-forward
+kernels in the backward (each reads ``x`` and writes ``y``: about 20 µs at the H200's copy bandwidth).
+
+Not marked: ``add_rms_norm`` (the residual add fused into the norm), whose recompute would need both
+summands and would recompute the residual stream's chain from the first layer at the start of the
+backward; and norms whose output reaches no matrix product (Qwen3's per-head q/k norms feed RoPE,
+whose backward does not read them), where a recompute would only add a kernel.
+"""
+
+import operator
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from inductor_ext.inductor.graph_queries import is_call
+from inductor_ext.ops.layer_norm import layer_norm_family
+from inductor_ext.ops.lora import lora_linear_family, lora_mlp_family, lora_qkv_family
+from inductor_ext.ops.rms_norm import rms_norm_family
+
+RECOMPUTED_NORMS = (rms_norm_family.fwd, layer_norm_family.fwd)
+"""Forward ops whose first output (the normalised tensor) may be recomputed; their backward saves their input."""
+
+MATMUL_FUNCTIONS = (
+    torch._C._nn.linear, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+    lora_linear_family.fwd, lora_qkv_family.fwd, lora_mlp_family.fwd,
+)  # fmt: skip
+"""Consumers whose backward reads their input (a weight's gradient): matrix products and our fused LoRA ops."""
+MATMUL_METHODS = ("matmul", "mm", "bmm", "__matmul__")
+
+SAME_VALUE_FUNCTIONS = (torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.transpose,
+                        torch.permute, torch.t)  # fmt: skip
+SAME_VALUE_METHODS = ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "t",
+                      "contiguous", "to", "type", "type_as", "float", "bfloat16", "half")  # fmt: skip
+"""Calls that pass the norm's output on as the same values (a view, a layout or a dtype)."""
+
+
+def mark_norm_recompute(gm: GraphModule) -> int:
+    """Mark the norm forward calls of ``gm`` (a Dynamo graph) whose output reaches a matrix product
+    ``MUST_RECOMPUTE``; returns how many were marked."""
+    marked = 0
+    for node in gm.graph.nodes:
+        if is_call(node, RECOMPUTED_NORMS) and any(
+            is_call(user, MATMUL_FUNCTIONS, MATMUL_METHODS) for user in _consumers(node)
+        ):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            marked += 1
+    return marked
+
+
+def _consumers(norm: Node) -> Iterator[Node]:
+    """The calls that read the norm's output ``norm[0]``, looking through views and casts of it."""
+    pending = [user for user in norm.users if is_call(user, (operator.getitem,)) and user.args[1] == 0]
+    while pending:
+        node = pending.pop()
+        for user in node.users:
+            if is_call(user, SAME_VALUE_FUNCTIONS, SAME_VALUE_METHODS) and user.args[0] is node:
+                pending.append(user)
+            else:
+                yield user
