@@ -146,6 +146,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "patched_fastops_inductor_no_parameter_guards": {"backend": "fastops_inductor",
                                                      "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "patched_fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
+    "patched_fastops_inductor_recompute_glu": {"backend": "fastops_inductor", "options": {"fastops.recompute_glu": True}},
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -202,7 +203,8 @@ each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compi
 ``foreach`` AdamW compiled by ``torch.compile`` (Inductor's horizontally fused kernels) instead of the
 fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_norms`` compile with
 ``fastops.recompute_norms`` off: the backward reads the saved norm outputs instead of recomputing them
-(:mod:`inductor_ext.inductor.recompute`)."""
+(:mod:`inductor_ext.inductor.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on: the GLU's
+output recomputed in the backward too."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",

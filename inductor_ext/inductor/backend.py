@@ -5,8 +5,8 @@ Six steps on the graph Dynamo hands over, then Inductor:
 0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`), and
    block-sparse document attention where it is proven the packed-document mask (:mod:`.document_mask`);
 1. rewrite common spellings into fastops ops (:mod:`.rewrites`);
-2. mark the norm outputs that feed matrix products for recomputation in the backward
-   (:mod:`.recompute`);
+2. mark the norm (and, as an option, GLU) outputs that feed matrix products for recomputation in
+   the backward (:mod:`.recompute`);
 3. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
 4. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
@@ -32,7 +32,7 @@ from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.recompute import mark_norm_recompute
+from inductor_ext.inductor.recompute import GLU_FORWARDS, NORM_FORWARDS, mark_recompute
 from inductor_ext.inductor.rewrites import apply_rewrites
 from inductor_ext.ops._library import route_ops
 from inductor_ext.tuning.database import TuningDatabase
@@ -64,8 +64,9 @@ def fastops_inductor(
         rewrite_document_masks(gm)
     if ours.patterns:
         apply_rewrites(gm)
-    if ours.recompute_norms:
-        mark_norm_recompute(gm)
+    recomputed = (NORM_FORWARDS if ours.recompute_norms else ()) + (GLU_FORWARDS if ours.recompute_glu else ())
+    if recomputed:
+        mark_recompute(gm, recomputed)
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(gm)
 

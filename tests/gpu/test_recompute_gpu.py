@@ -1,7 +1,8 @@
-"""``fastops.recompute_norms`` on CUDA (torch's partitioner on our kernel route and on Inductor's): a patched
-Llama-shaped model saves exactly its decoder norms' outputs less, the compiled step's peak falls by about
-that much (the backward recomputes one norm output at a time, just before its projections read it), and
-the gradients are those of the step that saves them, to the bit."""
+"""``fastops.recompute_norms`` and ``fastops.recompute_glu`` on CUDA, on our kernel route (a Triton kernel's node
+recomputed by torch's partitioner; the Inductor route's aten math is checked on CPU): a patched Llama-shaped
+model saves exactly the recomputed outputs less, the compiled step's peak falls by about that much (the
+backward recomputes one output at a time, just before its projection reads it), and the gradients are those
+of the step that saves them, to the bit."""
 
 import pytest
 import torch
@@ -34,10 +35,10 @@ def _model() -> torch.nn.Module:
     return model
 
 
-def _step(model, ids, route: str, recompute: bool):
+def _step(model, ids, norms: bool, glu: bool = False):
     """Saved bytes, peak bytes above the step's start, loss and gradients of the second compiled step."""
     torch._dynamo.reset()
-    options = {"fastops.route": route, "fastops.recompute_norms": recompute}
+    options = {"fastops.route": "kernel", "fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
     compiled = torch.compile(model, backend="fastops_inductor", options=options)
     saved: list[int] = []
 
@@ -60,16 +61,18 @@ def _step(model, ids, route: str, recompute: bool):
     return sum(saved), peak, loss.detach(), grads
 
 
-@pytest.mark.parametrize("route", ["kernel", "inductor"])
-def test_norm_outputs_are_recomputed_not_saved(route):
+@pytest.mark.parametrize("glu", [False, True])
+def test_outputs_are_recomputed_not_saved(glu):
     model = _model()
     ids = torch.randint(0, 32000, (BATCH, SEQ), device="cuda")
-    kept_bytes, kept_peak, kept_loss, kept_grads = _step(model, ids, route, recompute=False)
-    saved_bytes, peak, loss, grads = _step(model, ids, route, recompute=True)
+    kept_bytes, kept_peak, kept_loss, kept_grads = _step(model, ids, norms=False)
+    saved_bytes, peak, loss, grads = _step(model, ids, norms=True, glu=glu)
     tokens = BATCH * SEQ
-    norm_outputs = 2 * LAYERS * (tokens * H * 2 + tokens * 4)  # y (bf16) and rstd (fp32) of two norms a layer
-    assert kept_bytes - saved_bytes == norm_outputs
-    assert kept_peak - peak >= 0.9 * norm_outputs, (kept_peak, peak, norm_outputs)
+    recomputed = 2 * LAYERS * (tokens * H * 2 + tokens * 4)  # y (bf16) and rstd (fp32) of two norms a layer
+    if glu:
+        recomputed += LAYERS * tokens * 4 * H * 2  # the GLU's output (bf16)
+    assert kept_bytes - saved_bytes == recomputed
+    assert kept_peak - peak >= 0.9 * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name

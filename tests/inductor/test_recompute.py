@@ -12,7 +12,7 @@ from inductor_ext import models
 from inductor_ext.inductor import backend
 from inductor_ext.inductor.graph_queries import is_call
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.recompute import RECOMPUTED_NORMS
+from inductor_ext.inductor.recompute import NORM_FORWARDS
 from tests.hf_spellings import LlamaRMSNorm
 
 H, TOKENS, LAYERS = 64, 32, 2
@@ -27,10 +27,13 @@ def _fresh_compiles():
     torch._dynamo.reset()
 
 
-def test_option_defaults_on_and_is_set_by_option_or_environment():
-    assert parse_options(None, env={})[0].recompute_norms is True
+def test_options_default_norms_on_glu_off_and_are_set_by_option_or_environment():
+    defaults = parse_options(None, env={})[0]
+    assert defaults.recompute_norms is True and defaults.recompute_glu is False
     assert parse_options({"fastops.recompute_norms": False}, env={})[0].recompute_norms is False
     assert parse_options(None, env={"INDUCTOR_EXT_RECOMPUTE_NORMS": "0"})[0].recompute_norms is False
+    assert parse_options({"fastops.recompute_glu": True}, env={})[0].recompute_glu is True
+    assert parse_options(None, env={"INDUCTOR_EXT_RECOMPUTE_GLU": "1"})[0].recompute_glu is True
 
 
 class NormsBlock(torch.nn.Module):
@@ -47,15 +50,15 @@ class NormsBlock(torch.nn.Module):
 
 
 def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
-    marked, mark = [], backend.mark_norm_recompute
+    marked, mark = [], backend.mark_recompute
 
-    def spy(gm):
-        count = mark(gm)
-        norms = [n for n in gm.graph.nodes if is_call(n, RECOMPUTED_NORMS)]
+    def spy(gm, forwards):
+        count = mark(gm, forwards)
+        norms = [n for n in gm.graph.nodes if is_call(n, NORM_FORWARDS)]
         marked.append((count, [n.meta.get("recompute") is not None for n in norms]))
         return count
 
-    monkeypatch.setattr(backend, "mark_norm_recompute", spy)
+    monkeypatch.setattr(backend, "mark_recompute", spy)
     torch.manual_seed(0)
     block = NormsBlock()
     x = torch.randn(TOKENS, H, requires_grad=True)
@@ -64,7 +67,7 @@ def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
     assert marked == [(1, [True, False])]
 
 
-def _saved_bytes_and_grads(model, ids, recompute: bool):
+def _saved_bytes_and_grads(model, ids, norms: bool, glu: bool = False):
     saved = []
 
     def pack(t):
@@ -72,7 +75,8 @@ def _saved_bytes_and_grads(model, ids, recompute: bool):
         return t
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fastops_inductor", options={"fastops.recompute_norms": recompute})
+    options = {"fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
+    compiled = torch.compile(model, backend="fastops_inductor", options=options)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -81,11 +85,8 @@ def _saved_bytes_and_grads(model, ids, recompute: bool):
     return sum(saved), loss.detach(), grads
 
 
-def test_patched_llama_saves_no_norm_output_and_gets_the_same_gradients():
-    """Each decoder layer's two norms feed projections: with the option their outputs (``TOKENS x H`` bf16)
-    and their rstd (``TOKENS`` fp32) are recomputed in the backward instead of saved; the final norm feeds
-    the fused loss, which saves its gradients rather than its input, so it stays as it was. The recompute
-    runs the same kernel on the same input, so the gradients are equal to the bit."""
+@pytest.fixture(scope="module")
+def patched_llama():
     config = transformers.LlamaConfig(
         hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True,
@@ -93,11 +94,29 @@ def test_patched_llama_saves_no_norm_output_and_gets_the_same_gradients():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
     models.apply(model)
-    ids = torch.randint(0, 256, (2, TOKENS // 2))
-    kept_bytes, kept_loss, kept_grads = _saved_bytes_and_grads(model, ids, recompute=False)
-    recomputed_bytes, loss, grads = _saved_bytes_and_grads(model, ids, recompute=True)
-    per_norm = TOKENS * H * 2 + TOKENS * 4
-    assert kept_bytes - recomputed_bytes == 2 * LAYERS * per_norm
+    return model, torch.randint(0, 256, (2, TOKENS // 2))
+
+
+@pytest.mark.parametrize(
+    ("glu", "fewer_bytes"),
+    [
+        # y (bf16) and rstd (fp32) of each layer's two norms
+        (False, LAYERS * 2 * (TOKENS * H * 2 + TOKENS * 4)),
+        # and each layer's GLU output (bf16, TOKENS x 4H)
+        (True, LAYERS * (2 * (TOKENS * H * 2 + TOKENS * 4) + TOKENS * 4 * H * 2)),
+    ],
+)
+def test_patched_llama_saves_exactly_the_recomputed_outputs_less_with_the_same_gradients(
+    patched_llama, glu, fewer_bytes
+):
+    """Each decoder layer's two norms and its GLU feed projections: with the options their outputs are
+    recomputed in the backward instead of saved. The final norm feeds the fused loss, which saves its
+    gradients rather than its input, so it stays as it was. The recompute runs the same kernel on the
+    same inputs, so the gradients are equal to the bit."""
+    model, ids = patched_llama
+    kept_bytes, kept_loss, kept_grads = _saved_bytes_and_grads(model, ids, norms=False)
+    recomputed_bytes, loss, grads = _saved_bytes_and_grads(model, ids, norms=True, glu=glu)
+    assert kept_bytes - recomputed_bytes == fewer_bytes
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
