@@ -24,15 +24,16 @@ def _isolated(tmp_path, monkeypatch):
     counters.clear()
 
 
-def _model() -> torch.nn.Module:
+@pytest.fixture(scope="module")
+def patched_llama():
     config = transformers.LlamaConfig(
         hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=16,
         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=SEQ, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
-    models.apply(model)
-    return model
+    with models.patched(model):  # unapplied after the module's tests: the RoPE patch is process-wide
+        yield model
 
 
 def _step(model, ids, norms: bool, glu: bool = False):
@@ -62,8 +63,8 @@ def _step(model, ids, norms: bool, glu: bool = False):
 
 
 @pytest.mark.parametrize("glu", [False, True])
-def test_outputs_are_recomputed_not_saved(glu):
-    model = _model()
+def test_outputs_are_recomputed_not_saved(patched_llama, glu):
+    model = patched_llama
     ids = torch.randint(0, 32000, (BATCH, SEQ), device="cuda")
     kept_bytes, kept_peak, kept_loss, kept_grads = _step(model, ids, norms=False)
     saved_bytes, peak, loss, grads = _step(model, ids, norms=True, glu=glu)

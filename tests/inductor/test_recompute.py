@@ -93,8 +93,8 @@ def patched_llama():
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
-    models.apply(model)
-    return model, torch.randint(0, 256, (2, TOKENS // 2))
+    with models.patched(model):  # unapplied after the module's tests: the RoPE patch is process-wide
+        yield model, torch.randint(0, 256, (2, TOKENS // 2))
 
 
 @pytest.mark.parametrize(
