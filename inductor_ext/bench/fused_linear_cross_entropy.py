@@ -152,7 +152,10 @@ def weight_grad_numerics(
     reduction, 1 in 8 labels ignored), per chunk count: ``weight_grad_accumulation="fp32"``,
     ``"weight_dtype"`` and :func:`liger_style_weight_grad`; then each at its default chunking
     (``chunks`` None: the row says each one's count). ``rounding_floor`` is float64's dW rounded
-    to ``dtype``: no mode can be closer."""
+    to ``dtype``: no mode can be closer. ``hf_unfused`` is the loss as transformers spells it,
+    ``cross_entropy((hidden @ weight.T).float(), labels)`` (dW: one GEMM from the fp32 gradient rounded
+    to ``dtype``), and ``hf_compiled`` the same under ``torch.compile``: the standard the fused modes
+    are held to."""
     n, h, v = shape
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(n, h, device=device, generator=gen).to(dtype)
@@ -171,6 +174,16 @@ def weight_grad_numerics(
         return rel_err(dw, ref)
 
     floor = rel_err(ref.to(dtype), ref)
+
+    def hf_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)
+
+    def hf_error(loss_fn: Callable[..., torch.Tensor]) -> float:
+        w = weight.clone().requires_grad_()
+        (dw,) = torch.autograd.grad(loss_fn(hidden, w, labels), w)
+        return rel_err(dw, ref)
+
+    hf_unfused, hf_compiled = hf_error(hf_loss), hf_error(torch.compile(hf_loss))
     rows: list[dict[str, Any]] = []
     for chunks in chunk_counts:
         chunk = math.ceil(n / chunks)
@@ -178,7 +191,7 @@ def weight_grad_numerics(
             "chunks": chunks, "chunk_rows": chunk, "fp32": ours("fp32", chunk),
             "weight_dtype": ours("weight_dtype", chunk),
             "liger_style": rel_err(liger_style_weight_grad(hidden, weight, labels, chunk), ref),
-            "rounding_floor": floor,
+            "hf_unfused": hf_unfused, "hf_compiled": hf_compiled, "rounding_floor": floor,
         })  # fmt: skip
     liger_chunk = liger_chunk_size(n, h, v)
     default_chunks = {
@@ -189,7 +202,7 @@ def weight_grad_numerics(
         "chunks": None, "default_chunks": {**default_chunks, "liger_style": math.ceil(n / liger_chunk)},
         "fp32": ours("fp32", None), "weight_dtype": ours("weight_dtype", None),
         "liger_style": rel_err(liger_style_weight_grad(hidden, weight, labels, liger_chunk), ref),
-        "rounding_floor": floor,
+        "hf_unfused": hf_unfused, "hf_compiled": hf_compiled, "rounding_floor": floor,
     })  # fmt: skip
     return rows
 
@@ -197,8 +210,8 @@ def weight_grad_numerics(
 def format_weight_grad_numerics(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of :func:`weight_grad_numerics`' rows."""
     lines = [
-        '| chunks | `"fp32"` (exact) | `"weight_dtype"` | Liger-style | dW_64 rounded once |',
-        "|---|---|---|---|---|",
+        '| chunks | `"fp32"` (exact) | `"weight_dtype"` | Liger-style | HF | HF compiled | dW_64 rounded once |',
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["chunks"] is None:
@@ -206,7 +219,10 @@ def format_weight_grad_numerics(rows: list[dict[str, Any]]) -> str:
             label = f"defaults ({d['fp32']} / {d['weight_dtype']} / {d['liger_style']})"
         else:
             label = f"{r['chunks']} ({r['chunk_rows']} rows)"
-        values = " | ".join(f"{r[k]:.2e}" for k in ("fp32", "weight_dtype", "liger_style", "rounding_floor"))
+        values = " | ".join(
+            f"{r[k]:.2e}"
+            for k in ("fp32", "weight_dtype", "liger_style", "hf_unfused", "hf_compiled", "rounding_floor")
+        )
         lines.append(f"| {label} | {values} |")
     return "\n".join(lines)
 

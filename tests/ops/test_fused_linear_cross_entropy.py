@@ -470,7 +470,8 @@ def test_aoti_export_and_load(tmp_path, fresh_dynamo):
 
 def test_weight_grad_numerics_report():
     """The bench's numerics table on a tiny shape: the exact mode is closer to float64 than the low-memory
-    one at every chunk count, and nothing beats rounding float64's dW once. (Run without the interpreter,
+    one at every chunk count, so is HF's unfused loss (eager and compiled), and nothing beats rounding
+    float64's dW once. (Run without the interpreter,
     the Liger-style emulation matches the low-memory mode to three digits; under it, our gradient is
     truncated to bf16 by the Triton kernel, the emulation's rounded to nearest.)"""
     from inductor_ext.bench.fused_linear_cross_entropy import format_weight_grad_numerics, weight_grad_numerics
@@ -480,4 +481,5 @@ def test_weight_grad_numerics_report():
     assert rows[-1]["default_chunks"] == {"fp32": 6, "weight_dtype": 24, "liger_style": 3}
     for r in rows[:2]:
         assert r["rounding_floor"] <= min(r["fp32"], r["liger_style"]) and r["fp32"] <= r["weight_dtype"]
+    assert all(r["hf_unfused"] <= r["weight_dtype"] and r["hf_compiled"] <= r["weight_dtype"] for r in rows)
     assert format_weight_grad_numerics(rows).count("\n") == 4
