@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from inductor_ext.bench.harness import LAUNCH_GAP_US, Timeline, idle_gaps
-from inductor_ext.bench.kernel_table import bytes_from_trace, kernel_rows, markdown
+from inductor_ext.bench.kernel_table import Launches, kernel_rows, launches_from_trace, markdown
 
 
 def test_idle_gaps_split_launch_gaps_from_host_waits_over_overlapping_streams():
@@ -43,24 +43,29 @@ def test_bytes_are_the_launch_records_tensor_arguments(tmp_path):
     weight = torch.empty(128, dtype=torch.float32)
     out = torch.empty(64, 128, dtype=torch.bfloat16)
     trace = _launch_trace(tmp_path, "triton_red_fused_add_mean_0", [x, weight, out, 8192, 128, 1e-6])
-    found = bytes_from_trace(trace)
+    found = launches_from_trace(trace)
     # every tensor argument once (the integers and the float are not tensors); the kernel under a record of
-    # another name (an eager op's, whose record lists only its inputs) gets no bytes
-    assert found == {"triton_red_fused_add_mean_0": 2 * 64 * 128 * 2 + 128 * 4}
+    # another name (an eager op's, whose record lists only its inputs) gets no bytes but that record's name
+    # and tensor arguments
+    assert found.bytes_per_launch == {"triton_red_fused_add_mean_0": 2 * 64 * 128 * 2 + 128 * 4}
+    assert found.launched_by == {"a_kernel_of_another_name": "aten_like_parent 64x128 bfloat16"}
 
 
 def test_rows_rate_each_kernel_against_the_copy_bandwidth_and_the_table_lists_them():
     timeline = Timeline(kernel_us={"triton_poi_fused_add_0": 500.0, "nvjet_gemm": 2000.0},
                         calls={"triton_poi_fused_add_0": 2.0, "nvjet_gemm": 4.0},
                         busy_us=2500.0, launch_gap_us=10.0, host_wait_us=40.0)  # fmt: skip
-    rows = kernel_rows(timeline, {"triton_poi_fused_add_0": 0.5e9}, copy_gbps=4000.0)
+    launches = Launches({"triton_poi_fused_add_0": 0.5e9}, {"nvjet_gemm": "aten::mm 64x128 bfloat16 128x32 bfloat16"})
+    rows = kernel_rows(timeline, launches, copy_gbps=4000.0)
     assert [r["kernel"] for r in rows] == ["nvjet_gemm", "triton_poi_fused_add_0"]
     gemm, add = rows
     assert gemm["class"] == "gemm" and gemm["gb"] is None and gemm["pct_of_copy"] is None
+    assert gemm["launched_by"] == "aten::mm 64x128 bfloat16 128x32 bfloat16" and add["launched_by"] is None
     # 2 launches of 0.5 GB in 0.5 ms: 2000 GB/s, half the copy bandwidth
     assert add["gb"] == pytest.approx(1.0) and add["gb_per_s"] == pytest.approx(2000.0)
     assert add["pct_of_copy"] == pytest.approx(50.0) and add["ms"] == pytest.approx(0.5)
     table = markdown(rows).splitlines()
     assert table[0].startswith("| kernel") and len(table) == 4
     cells = [cell.strip() for cell in table[3].strip("|").split("|")]
-    assert cells == ["triton_poi_fused_add_0", "other", "2", "0.5", "1", "2000", "50"]
+    assert cells == ["triton_poi_fused_add_0", "other", "2", "0.5", "1", "2000", "50", ""]
+    assert table[2].rstrip("| ").endswith("aten::mm 64x128 bfloat16 128x32 bfloat16")

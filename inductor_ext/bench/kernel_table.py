@@ -8,9 +8,12 @@ GPU sat idle between kernels.
   the trace holds every tensor argument's sizes and dtype, and their sum is the bytes of every buffer
   the kernel reads or writes, each counted once: its traffic if it touches each once, so GB/s against
   the copy bandwidth (read + write bytes) is its distance from its bandwidth floor. Kernels launched
-  elsewhere (cuBLAS, cuDNN, the fused optimizer, eager ops) have no bytes here.
+  elsewhere (cuBLAS, cuDNN, the fused optimizer, eager ops) have no bytes here; their row names the
+  host op that launched them, with its tensor arguments' shapes and dtypes (``launched_by``: e.g.
+  ``aten::fill_ 128256x2048 bfloat16`` says which buffer a fill kernel zeroes).
 """
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -31,36 +34,57 @@ _TRACE_DTYPES: dict[str, torch.dtype] = {
 """The profiler's names of tensor dtypes in a trace's ``Input type`` (others, e.g. ``Scalar``: not tensors)."""
 
 
-def bytes_from_trace(trace: Mapping[str, Any]) -> dict[str, float]:
-    """Mean bytes per launch of each kernel in a Chrome trace recorded with ``record_shapes``: the sizes
-    of the tensor arguments of the host-side record that carries the kernel's own name (Inductor's
-    launch record), for kernels that have one."""
-    launches = {}
+@dataclasses.dataclass
+class Launches:
+    """What a profiled step's trace says about each kernel's launches."""
+
+    bytes_per_launch: dict[str, float]
+    """Kernels Inductor launched: mean bytes of their launch record's tensor arguments."""
+    launched_by: dict[str, str]
+    """Other kernels: the host op that launched the first of them, with its tensor arguments."""
+
+
+def _tensor_arguments(args: Mapping[str, Any]) -> list[tuple[list[int], torch.dtype]]:
+    return [
+        (dims, _TRACE_DTYPES[kind])
+        for dims, kind in zip(args["Input Dims"], args.get("Input type", []))
+        if kind in _TRACE_DTYPES
+    ]
+
+
+def launches_from_trace(trace: Mapping[str, Any]) -> Launches:
+    """Each kernel's launches in a Chrome trace recorded with ``record_shapes``, joined to the host-side
+    record that launched them by the external id: bytes for those whose record carries the kernel's own
+    name (Inductor's launch record), the launching op for the others."""
+    records = {}
     for event in trace.get("traceEvents", []):
         args = event.get("args", {})
         if event.get("cat") == "cpu_op" and "External id" in args and "Input Dims" in args:
-            launches[args["External id"]] = event
+            records[args["External id"]] = event
     total: dict[str, float] = {}
     count: dict[str, int] = {}
+    launched_by: dict[str, str] = {}
     for event in trace.get("traceEvents", []):
         if event.get("cat") != "kernel":
             continue
-        launch = launches.get(event.get("args", {}).get("External id"))
-        if launch is None or launch["name"] != event["name"]:
+        record = records.get(event.get("args", {}).get("External id"))
+        if record is None:
             continue
-        args = launch["args"]
-        size = sum(
-            math.prod(dims) * _TRACE_DTYPES[kind].itemsize
-            for dims, kind in zip(args["Input Dims"], args.get("Input type", []))
-            if kind in _TRACE_DTYPES
-        )
-        total[event["name"]] = total.get(event["name"], 0.0) + size
-        count[event["name"]] = count.get(event["name"], 0) + 1
-    return {name: total[name] / count[name] for name in total}
+        tensors = _tensor_arguments(record["args"])
+        name = event["name"]
+        if record["name"] != name:
+            shapes = " ".join(
+                f"{'x'.join(map(str, dims))} {str(dtype).removeprefix('torch.')}" for dims, dtype in tensors
+            )
+            launched_by.setdefault(name, f"{record['name']} {shapes}".strip())
+            continue
+        total[name] = total.get(name, 0.0) + sum(math.prod(dims) * dtype.itemsize for dims, dtype in tensors)
+        count[name] = count.get(name, 0) + 1
+    return Launches({name: total[name] / count[name] for name in total}, launched_by)
 
 
-def launch_bytes(step: Callable[[], Any]) -> dict[str, float]:
-    """Bytes per launch of each kernel Inductor launches in one call of ``step`` (module docstring)."""
+def profile_launches(step: Callable[[], Any]) -> Launches:
+    """:func:`launches_from_trace` of one call of ``step`` (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -69,20 +93,21 @@ def launch_bytes(step: Callable[[], Any]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return bytes_from_trace(json.loads(path.read_text()))
+        return launches_from_trace(json.loads(path.read_text()))
 
 
-def kernel_rows(timeline: Timeline, bytes_per_launch: Mapping[str, float], copy_gbps: float) -> list[dict[str, Any]]:
+def kernel_rows(timeline: Timeline, launches: Launches, copy_gbps: float) -> list[dict[str, Any]]:
     """One row per kernel, the costliest first: class, launches, ms and GB a step, GB/s, % of ``copy_gbps``
-    (the last three None for a kernel without bytes)."""
+    (the last three None for a kernel without bytes) and the host op that launched it (None for Inductor's)."""
     rows = []
     for name, us in sorted(timeline.kernel_us.items(), key=lambda kv: -kv[1]):
-        launch = bytes_per_launch.get(name)
+        launch = launches.bytes_per_launch.get(name)
         gb = None if launch is None else launch * timeline.calls[name] / 1e9
         rate = None if gb is None or us <= 0 else gb / (us / 1e6)
         rows.append({
             "kernel": name, "class": kernel_class(name), "launches": round(timeline.calls[name], 2),
             "ms": us / 1e3, "gb": gb, "gb_per_s": rate, "pct_of_copy": None if rate is None else 100 * rate / copy_gbps,
+            "launched_by": launches.launched_by.get(name),
         })  # fmt: skip
     return rows
 
@@ -96,8 +121,8 @@ def markdown(rows: list[dict[str, Any]], top: int = 25, width: int = 60) -> str:
 
     table = [
         [r["kernel"][:width], r["class"], r["launches"], cell(r["ms"], 3), cell(r["gb"], 3), cell(r["gb_per_s"], 0),
-         cell(r["pct_of_copy"], 0)]
+         cell(r["pct_of_copy"], 0), (r.get("launched_by") or "")[:width]]
         for r in rows[:top]
     ]  # fmt: skip
-    headers = ["kernel", "class", "launches", "ms / step", "GB / step", "GB/s", "% of copy"]
+    headers = ["kernel", "class", "launches", "ms / step", "GB / step", "GB/s", "% of copy", "launched by"]
     return tabulate(table, headers=headers, tablefmt="github")

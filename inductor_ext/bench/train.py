@@ -98,7 +98,7 @@ from inductor_ext.bench.harness import (
     print_child_result,
     run_child,
 )
-from inductor_ext.bench.kernel_table import kernel_rows, launch_bytes, markdown
+from inductor_ext.bench.kernel_table import kernel_rows, markdown, profile_launches
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -498,7 +498,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         timeline = gpu_timeline(lambda: step(next(remaining)), len(profiled)) if profiled else None
         phases.recording = False
         if sized and timeline is not None:
-            launched = launch_bytes(lambda: step(sized[0]))
+            launched = profile_launches(lambda: step(sized[0]))
             table = kernel_rows(timeline, launched, copy_bandwidth_gbps())
     else:  # the other ranks take the same steps (their collectives pair with rank 0's), unprofiled; CPU: no kernels
         for unit in [*profiled, *sized]:
