@@ -147,6 +147,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                                      "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "patched_fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
     "patched_fastops_inductor_recompute_glu": {"backend": "fastops_inductor", "options": {"fastops.recompute_glu": True}},
+    "patched_eager_save_norms": None,
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -202,8 +203,9 @@ with ``mode="reduce-overhead"``: the forward and the backward replayed as CUDA g
 each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compiled_adamw`` step a
 ``foreach`` AdamW compiled by ``torch.compile`` (Inductor's horizontally fused kernels) instead of the
 fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_norms`` compile with
-``fastops.recompute_norms`` off: the backward reads the saved norm outputs instead of recomputing them
-(:mod:`inductor_ext.inductor.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on: the GLU's
+``fastops.recompute_norms`` off (``patched_eager_save_norms``: ``models.apply(recompute_norms=False)``): the
+backward reads the saved norm outputs instead of recomputing them (:mod:`inductor_ext.inductor.recompute`,
+:mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on: the GLU's
 output recomputed in the backward too."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
@@ -424,6 +426,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             model,
             weight_grad_accumulation="weight_dtype" if "_weight_dtype" in provider else "fp32",
             loss_chunk_size=args.loss_chunk_size,
+            recompute_norms=not provider.endswith("_save_norms"),
         )
     if provider in QLORA_PROVIDERS:
         from inductor_ext.bench import qlora  # it reads this module's LORA_TARGETS: imported once this one is

@@ -13,25 +13,36 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inductor_ext.models import attention
+from inductor_ext.models.recompute import norm_outputs_recomputed, recomputable
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
 from inductor_ext.ops.rope import apply_rotary_pos_emb
 
 
+def _recomputable_rms_norm(
+    x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, casting: str = "llama"
+) -> Tensor:
+    """``rms_norm``, its output recomputed in the backward where :mod:`inductor_ext.models.recompute` is active."""
+    return recomputable(
+        rms_norm(x, weight, eps, offset=offset, casting=casting),
+        lambda: rms_norm(x, weight, eps, offset=offset, casting=casting),
+    )
+
+
 def llama_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """``LlamaRMSNorm``: normalise in fp32, cast to the input's dtype, multiply by the weight."""
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return _recomputable_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def fp32_weight_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """``Olmo2RMSNorm``: ``(weight * normed).to(dtype)``, the product in fp32."""
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="gemma")
+    return _recomputable_rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="gemma")
 
 
 def gemma_norm_forward(self: Any, x: Tensor) -> Tensor:
     """``GemmaRMSNorm``: ``(normed * (1 + weight.float())).type_as(x)``."""
-    return rms_norm(x, self.weight, self.eps, offset=1.0, casting="gemma")
+    return _recomputable_rms_norm(x, self.weight, self.eps, offset=1.0, casting="gemma")
 
 
 NORM_FORWARDS = {"llama": llama_norm_forward, "fp32_weight": fp32_weight_norm_forward, "gemma": gemma_norm_forward}
@@ -206,6 +217,9 @@ def causal_lm_forward(
     :data:`~inductor_ext.models.attention.ATTENTION`, the layers get the positions and attend
     block-sparsely (:mod:`inductor_ext.models.attention`).
 
+    In plain eager with ``self._fastops_recompute_norms``, the norms' outputs are recomputed in the
+    backward instead of saved (:mod:`inductor_ext.models.recompute`).
+
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
     """
     has_cache = False
@@ -239,7 +253,8 @@ def causal_lm_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return_dict = kwargs.pop("return_dict", None)
-    outputs = self.model(input_ids=input_ids, **kwargs)
+    with norm_outputs_recomputed(self._fastops_recompute_norms):
+        outputs = self.model(input_ids=input_ids, **kwargs)
     config = self.config
     loss = causal_lm_loss(
         outputs.last_hidden_state, self.lm_head.weight, labels,

@@ -102,6 +102,7 @@ def apply(
     loss_chunk_size: int | None = None,
     packed_documents: forwards.PackedDocuments = "hf",
     lora_dtype: peft_lora.LoraDtype = "adapters",
+    recompute_norms: bool = True,
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
 
@@ -111,6 +112,13 @@ def apply(
     no accumulator, one rounding per chunk). ``loss_chunk_size`` is its rows of logits per chunk
     (default: the mode's, ``H`` rows for ``"fp32"``, ``H / 4`` for ``"weight_dtype"``): fewer rows
     hold less memory at the loss and read and write the weight gradient more often.
+
+    ``recompute_norms`` (default on; with the patched norms and loss): in a training call with labels
+    run eagerly, the norms' outputs are recomputed in the backward rather than saved by the projections
+    that read them (:mod:`inductor_ext.models.recompute`): two ``N H`` tensors less per decoder layer
+    (1 GiB for Llama-3.2-1B at 8192 tokens) for one norm kernel per norm in the backward, the same
+    gradients to the bit. Under ``torch.compile(backend="fastops_inductor")`` the backend does this
+    itself (its ``fastops.recompute_norms`` option); this switch is for eager runs.
 
     ``attention=False`` keeps the model's ``attn_implementation`` (packed rows then run transformers'
     materialised document mask in eager mode; under ``fastops_inductor`` the backend's document-mask
@@ -163,6 +171,8 @@ def apply(
         raise ValueError(
             f"inductor_ext.models.apply: loss_chunk_size must be None or a positive int, got {loss_chunk_size!r}"
         )
+    if not isinstance(recompute_norms, bool):
+        raise TypeError(f"inductor_ext.models.apply: recompute_norms must be a bool, got {recompute_norms!r}")
     if not isinstance(lora_dtype, str) or lora_dtype not in peft_lora.LORA_DTYPES:
         raise ValueError(
             f"inductor_ext.models.apply: lora_dtype must be one of {peft_lora.LORA_DTYPES}, got {lora_dtype!r}"
@@ -218,6 +228,7 @@ def apply(
                 "_fastops_fused_loss": loss,
                 "_fastops_weight_grad_accumulation": weight_grad_accumulation,
                 "_fastops_loss_chunk_size": loss_chunk_size,
+                "_fastops_recompute_norms": recompute_norms and norms,
                 "_fastops_packed_documents": packed_documents,
                 "_fastops_mask_only_cache": forwards.mask_only_cache_class(),
                 "_fastops_cache_argument": forwards.decoder_cache_argument(decoder) if decoder is not None else None,

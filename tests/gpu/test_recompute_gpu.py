@@ -1,8 +1,11 @@
-"""``fastops.recompute_norms`` and ``fastops.recompute_glu`` on CUDA, on our kernel route (a Triton kernel's node
-recomputed by torch's partitioner; the Inductor route's aten math is checked on CPU): a patched Llama-shaped
-model saves exactly the recomputed outputs less, the compiled step's peak falls by about that much (the
-backward recomputes one output at a time, just before its projection reads it), and the gradients are those
-of the step that saves them, to the bit."""
+"""Norm (and GLU) outputs recomputed in the backward on CUDA: under ``fastops_inductor`` on our kernel route
+(a Triton kernel's node recomputed by torch's partitioner; the Inductor route's aten math is checked on
+CPU) and in eager (``models.apply(recompute_norms=True)``'s saved-tensor hooks). A patched Llama-shaped
+model saves exactly the recomputed outputs less, the step's peak falls by about that much (the backward
+recomputes one output at a time, just before its projection reads it), and the gradients are those of
+the step that saves them, to the bit."""
+
+import copy
 
 import pytest
 import torch
@@ -15,6 +18,11 @@ from inductor_ext import models
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 H, LAYERS, BATCH, SEQ = 1024, 4, 2, 2048
+TOKENS = BATCH * SEQ
+NORM_OUTPUTS = 2 * LAYERS * (TOKENS * H * 2 + TOKENS * 4)
+"""y (bf16) and rstd (fp32) of two norms a layer."""
+GLU_OUTPUTS = LAYERS * TOKENS * 4 * H * 2
+"""The GLU's output (bf16), one a layer."""
 
 
 @pytest.fixture(autouse=True)
@@ -25,55 +33,80 @@ def _isolated(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def patched_llama():
+def llama():
     config = transformers.LlamaConfig(
         hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=16,
         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=SEQ, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
-    with models.patched(model):  # unapplied after the module's tests: the RoPE patch is process-wide
-        yield model
+    return model, torch.randint(0, 32000, (BATCH, SEQ), device="cuda")
 
 
-def _step(model, ids, norms: bool, glu: bool = False):
-    """Saved bytes, peak bytes above the step's start, loss and gradients of the second compiled step."""
-    torch._dynamo.reset()
-    options = {"fastops.route": "kernel", "fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
-    compiled = torch.compile(model, backend="fastops_inductor", options=options)
+def _step(forward, model, ids):
+    """Saved bytes, peak bytes above the step's start, loss and gradients of one training step."""
+    model.zero_grad(set_to_none=True)
     saved: list[int] = []
 
     def pack(t):
         saved.append(t.numel() * t.element_size())
         return t
 
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        saved.clear()
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - start
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.cuda.synchronize()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return sum(saved), peak, loss.detach(), grads
+    return sum(saved), torch.cuda.max_memory_allocated() - start, loss.detach(), grads
+
+
+def _compiled_step(llama, norms: bool, glu: bool = False):
+    model, ids = llama
+    torch._dynamo.reset()
+    options = {"fastops.route": "kernel", "fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
+    with models.patched(model):
+        compiled = torch.compile(model, backend="fastops_inductor", options=options)
+        _step(compiled, model, ids)  # compiles
+        return _step(compiled, model, ids)
 
 
 @pytest.mark.parametrize("glu", [False, True])
-def test_outputs_are_recomputed_not_saved(patched_llama, glu):
-    model = patched_llama
-    ids = torch.randint(0, 32000, (BATCH, SEQ), device="cuda")
-    kept_bytes, kept_peak, kept_loss, kept_grads = _step(model, ids, norms=False)
-    saved_bytes, peak, loss, grads = _step(model, ids, norms=True, glu=glu)
-    tokens = BATCH * SEQ
-    recomputed = 2 * LAYERS * (tokens * H * 2 + tokens * 4)  # y (bf16) and rstd (fp32) of two norms a layer
-    if glu:
-        recomputed += LAYERS * tokens * 4 * H * 2  # the GLU's output (bf16)
+def test_compiled_outputs_are_recomputed_not_saved(llama, glu):
+    kept_bytes, kept_peak, kept_loss, kept_grads = _compiled_step(llama, norms=False)
+    saved_bytes, peak, loss, grads = _compiled_step(llama, norms=True, glu=glu)
+    recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_bytes - saved_bytes == recomputed
     assert kept_peak - peak >= 0.9 * recomputed, (kept_peak, peak, recomputed)
+    assert torch.equal(loss, kept_loss)
+    for name, grad in grads.items():
+        assert torch.equal(grad, kept_grads[name]), name
+
+
+def _eager_peak(llama, recompute: bool):
+    """Peak, loss and gradients of an eager step (our saved-tensor hooks are off under the bytes-counting
+    ones, so the peak is measured without them)."""
+    reference, ids = llama
+    model = copy.deepcopy(reference)
+    with models.patched(model, recompute_norms=recompute):
+        for _ in range(2):  # the first launches tune our kernels
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.cuda.synchronize()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        return torch.cuda.max_memory_allocated() - start, loss.detach(), grads
+
+
+def test_eager_norm_outputs_are_recomputed_not_saved(llama):
+    kept_peak, kept_loss, kept_grads = _eager_peak(llama, recompute=False)
+    peak, loss, grads = _eager_peak(llama, recompute=True)
+    assert kept_peak - peak >= 0.9 * NORM_OUTPUTS, (kept_peak, peak, NORM_OUTPUTS)
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
