@@ -42,7 +42,7 @@ from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from inductor_ext.inductor.graph_queries import is_call
+from inductor_ext.inductor.graph_queries import is_call, value
 from inductor_ext.ops.glu import glu_family, glu_packed_family
 from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.lora import lora_linear_family, lora_mlp_family, lora_qkv_family
@@ -62,9 +62,12 @@ MATMUL_METHODS = ("matmul", "mm", "bmm", "__matmul__")
 
 SAME_VALUE_FUNCTIONS = (torch.reshape, torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.transpose,
                         torch.permute, torch.t)  # fmt: skip
-SAME_VALUE_METHODS = ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "t",
-                      "contiguous", "to", "type", "type_as", "float", "bfloat16", "half")  # fmt: skip
-"""Calls that pass an output on as the same values (a view, a layout or a dtype)."""
+SAME_VALUE_METHODS = ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                      "transpose", "permute", "t", "contiguous")  # fmt: skip
+"""Calls that pass an output on as the same values (a view or a layout)."""
+CAST_METHODS = ("to", "type", "type_as", "float", "bfloat16", "half")
+"""Casts: the same values when they keep the dtype; a cast to another dtype is a new tensor, which a matrix
+product after it saves in the norm output's place (marking the norm would then only add a kernel)."""
 
 
 def mark_recompute(gm: GraphModule, forwards: tuple[OpOverload, ...]) -> int:
@@ -90,7 +93,22 @@ def _consumers(call: Node) -> Iterator[Node]:
     while pending:
         node = pending.pop()
         for user in node.users:
-            if is_call(user, SAME_VALUE_FUNCTIONS, SAME_VALUE_METHODS) and user.args[0] is node:
+            if (
+                user.args
+                and user.args[0] is node
+                and (is_call(user, SAME_VALUE_FUNCTIONS, SAME_VALUE_METHODS) or _keeps_dtype(user, node))
+            ):
                 pending.append(user)
             else:
                 yield user
+
+
+def _keeps_dtype(cast: Node, source: Node) -> bool:
+    """Whether ``cast`` is one of :data:`CAST_METHODS` returning ``source``'s dtype (a no-op cast)."""
+    before, after = value(source), value(cast)
+    return (
+        is_call(cast, (), CAST_METHODS)
+        and isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype == after.dtype
+    )

@@ -69,8 +69,11 @@ def recomputable(y: Tensor, forward: Callable[[], Tensor]) -> Tensor:
 
 
 def _pack(t: Tensor) -> Any:
-    mark = getattr(_root(t), _MARK, None)
-    return t if mark is None else (mark, t.size(), t.stride(), t.storage_offset())
+    root = _root(t)
+    mark = getattr(root, _MARK, None)
+    if mark is None or t.dtype != root.dtype:  # (a view as another dtype is not rebuilt by as_strided)
+        return t
+    return mark, t.size(), t.stride(), t.storage_offset()
 
 
 def _unpack(packed: Any) -> Tensor:

@@ -37,16 +37,21 @@ def test_options_default_norms_on_glu_off_and_are_set_by_option_or_environment()
 
 
 class NormsBlock(torch.nn.Module):
-    """A pre-norm projection (its norm output feeds a matmul: marked) and a per-head-style norm whose output
-    feeds only an elementwise op (as Qwen3's q/k norms feed RoPE: not marked)."""
+    """Four HF norms, rewritten into our op: one feeding a projection (marked), one feeding only an elementwise
+    op (as Qwen3's q/k norms feed RoPE: not marked), one feeding a projection through a cast that keeps the
+    dtype (marked) and one through a cast to bf16, whose result the projection saves instead (not marked)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.norm, self.head_norm = LlamaRMSNorm(H), LlamaRMSNorm(H)
+        self.norm, self.head_norm, self.kept_norm, self.cast_norm = (LlamaRMSNorm(H) for _ in range(4))
         self.proj = torch.nn.Linear(H, H, bias=False)
+        self.weight16 = torch.nn.Parameter(torch.randn(H, H, dtype=torch.bfloat16))
 
     def forward(self, x):
-        return torch.sin(self.head_norm(self.proj(self.norm(x))))
+        h = self.proj(self.norm(x))
+        kept = self.proj(self.kept_norm(h).to(h.dtype))
+        cast = torch.nn.functional.linear(self.cast_norm(h).bfloat16(), self.weight16)
+        return torch.sin(self.head_norm(h)).sum() + kept.sum() + cast.float().sum()
 
 
 def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
@@ -62,9 +67,9 @@ def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
     torch.manual_seed(0)
     block = NormsBlock()
     x = torch.randn(TOKENS, H, requires_grad=True)
-    torch.compile(block, backend="fastops_inductor", fullgraph=True)(x).sum().backward()
-    # both HF norms were rewritten into our op; the first (feeding the Linear) is marked, the second is not
-    assert marked == [(1, [True, False])]
+    torch.compile(block, backend="fastops_inductor", fullgraph=True)(x).backward()
+    # graph order: norm, kept_norm, cast_norm, head_norm (the sin is taken last)
+    assert marked == [(2, [True, True, False, False])]
 
 
 def _saved_bytes_and_grads(model, ids, norms: bool, glu: bool = False):
