@@ -21,6 +21,9 @@ H, LAYERS, BATCH, SEQ = 1024, 4, 2, 2048
 TOKENS = BATCH * SEQ
 NORM_OUTPUTS = 2 * LAYERS * (TOKENS * H * 2 + TOKENS * 4)
 """y (bf16) and rstd (fp32) of two norms a layer."""
+PEAK_SHARE = 0.7
+"""The peak falls by at least this share of the recomputed bytes: all of them if the step peaks at the end of
+the forward, those of every layer but the last (3 in 4) if it peaks in the last layer's backward."""
 GLU_OUTPUTS = LAYERS * TOKENS * 4 * H * 2
 """The GLU's output (bf16), one a layer."""
 
@@ -79,7 +82,7 @@ def test_compiled_outputs_are_recomputed_not_saved(llama, glu):
     saved_bytes, peak, loss, grads = _compiled_step(llama, norms=True, glu=glu)
     recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_bytes - saved_bytes == recomputed
-    assert kept_peak - peak >= 0.9 * recomputed, (kept_peak, peak, recomputed)
+    assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
@@ -106,7 +109,7 @@ def _eager_peak(llama, recompute: bool):
 def test_eager_norm_outputs_are_recomputed_not_saved(llama):
     kept_peak, kept_loss, kept_grads = _eager_peak(llama, recompute=False)
     peak, loss, grads = _eager_peak(llama, recompute=True)
-    assert kept_peak - peak >= 0.9 * NORM_OUTPUTS, (kept_peak, peak, NORM_OUTPUTS)
+    assert kept_peak - peak >= PEAK_SHARE * NORM_OUTPUTS, (kept_peak, peak, NORM_OUTPUTS)
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
