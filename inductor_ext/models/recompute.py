@@ -49,9 +49,9 @@ class _Recompute:
     def view(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> Tensor:
         if self.root is None:
             assert self.forward is not None
-            with torch.no_grad():
-                y = self.forward()
-            self.root, self.forward = _root(y), None
+            # in the backward's grad mode: off, or on under create_graph=True, where the recomputed output
+            # needs its history for the gradients of the gradients
+            self.root, self.forward = _root(self.forward()), None
         return self.root.as_strided(size, stride, offset)
 
 
