@@ -148,6 +148,7 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "patched_fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
     "patched_fastops_inductor_recompute_glu": {"backend": "fastops_inductor", "options": {"fastops.recompute_glu": True}},
     "patched_eager_save_norms": None,
+    "patched_eager_recompute_glu": None,
     "patched_eager_weight_dtype": None,
     "patched_fastops_inductor_weight_dtype": {"backend": "fastops_inductor"},
     "patched_fastops_inductor_cpp_wrapper": {"backend": "fastops_inductor", "options": {"cpp_wrapper": True}},
@@ -205,8 +206,8 @@ each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compi
 fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_norms`` compile with
 ``fastops.recompute_norms`` off (``patched_eager_save_norms``: ``models.apply(recompute_norms=False)``): the
 backward reads the saved norm outputs instead of recomputing them (:mod:`inductor_ext.inductor.recompute`,
-:mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on: the GLU's
-output recomputed in the backward too."""
+:mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on (``patched_eager_recompute_glu``:
+``models.apply(recompute_glu=True)``): the GLU's output recomputed in the backward too."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -427,6 +428,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
             weight_grad_accumulation="weight_dtype" if "_weight_dtype" in provider else "fp32",
             loss_chunk_size=args.loss_chunk_size,
             recompute_norms=not provider.endswith("_save_norms"),
+            recompute_glu=provider.endswith("_recompute_glu"),
         )
     if provider in QLORA_PROVIDERS:
         from inductor_ext.bench import qlora  # it reads this module's LORA_TARGETS: imported once this one is

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inductor_ext.models import attention
-from inductor_ext.models.recompute import norm_outputs_recomputed, recomputable
+from inductor_ext.models.recompute import GLU, NORMS, outputs_recomputed, recomputable
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
@@ -27,6 +27,7 @@ def _recomputable_rms_norm(
     return recomputable(
         rms_norm(x, weight, eps, offset=offset, casting=casting),
         lambda: rms_norm(x, weight, eps, offset=offset, casting=casting),
+        NORMS,
     )
 
 
@@ -53,22 +54,26 @@ def gated_mlp_forward(self: Any, x: Tensor) -> Tensor:
     projections' outputs are this function's own, so the eager backward writes their gradients over them."""
     gate, up = self.gate_proj(x), self.up_proj(x)
     activation, approximate = self._fastops_activation
-    if activation == "silu":
-        hidden = swiglu(gate, up, overwrite_inputs_in_backward=True)
-    else:
-        hidden = geglu(gate, up, approximate, overwrite_inputs_in_backward=True)
-    return self.down_proj(hidden)
+
+    def glu() -> Tensor:
+        if activation == "silu":
+            return swiglu(gate, up, overwrite_inputs_in_backward=True)
+        return geglu(gate, up, approximate, overwrite_inputs_in_backward=True)
+
+    return self.down_proj(recomputable(glu(), glu, GLU))
 
 
 def packed_mlp_forward(self: Any, hidden_states: Tensor) -> Tensor:
     """Phi-3: ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
     gate_up = self.gate_up_proj(hidden_states)
     activation, approximate = self._fastops_activation
-    if activation == "silu":
-        hidden = swiglu_packed(gate_up, overwrite_inputs_in_backward=True)
-    else:
-        hidden = geglu_packed(gate_up, approximate, overwrite_inputs_in_backward=True)
-    return self.down_proj(hidden)
+
+    def glu() -> Tensor:
+        if activation == "silu":
+            return swiglu_packed(gate_up, overwrite_inputs_in_backward=True)
+        return geglu_packed(gate_up, approximate, overwrite_inputs_in_backward=True)
+
+    return self.down_proj(recomputable(glu(), glu, GLU))
 
 
 MLP_FORWARDS = {"gated": gated_mlp_forward, "packed": packed_mlp_forward}
@@ -217,7 +222,7 @@ def causal_lm_forward(
     :data:`~inductor_ext.models.attention.ATTENTION`, the layers get the positions and attend
     block-sparsely (:mod:`inductor_ext.models.attention`).
 
-    In plain eager with ``self._fastops_recompute_norms``, the norms' outputs are recomputed in the
+    In plain eager, the outputs of ``self._fastops_recomputed`` (norms, GLUs) are recomputed in the
     backward instead of saved (:mod:`inductor_ext.models.recompute`).
 
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
@@ -253,7 +258,7 @@ def causal_lm_forward(
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return_dict = kwargs.pop("return_dict", None)
-    with norm_outputs_recomputed(self._fastops_recompute_norms):
+    with outputs_recomputed(self._fastops_recomputed):
         outputs = self.model(input_ids=input_ids, **kwargs)
     config = self.config
     loss = causal_lm_loss(

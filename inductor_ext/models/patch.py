@@ -44,7 +44,7 @@ import torch
 from inductor_ext import _compat
 from inductor_ext._compat.transformers_rope import rope_patch
 from inductor_ext.models import attention as attention_interface
-from inductor_ext.models import forwards, peft_lora
+from inductor_ext.models import forwards, peft_lora, recompute
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
 from inductor_ext.ops.fused_linear_cross_entropy import WEIGHT_GRAD_ACCUMULATIONS, WeightGradAccumulation
 
@@ -103,6 +103,7 @@ def apply(
     packed_documents: forwards.PackedDocuments = "hf",
     lora_dtype: peft_lora.LoraDtype = "adapters",
     recompute_norms: bool = True,
+    recompute_glu: bool = False,
 ) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); each switch turns one part off.
 
@@ -118,7 +119,10 @@ def apply(
     that read them (:mod:`inductor_ext.models.recompute`): two ``N H`` tensors less per decoder layer
     (1 GiB for Llama-3.2-1B at 8192 tokens) for one norm kernel per norm in the backward, the same
     gradients to the bit. Under ``torch.compile(backend="fastops_inductor")`` the backend does this
-    itself (its ``fastops.recompute_norms`` option); this switch is for eager runs.
+    itself (its ``fastops.recompute_norms`` option); this switch is for eager runs. ``recompute_glu``
+    (default off; with the patched MLPs and loss) does the same for the fused GLU's output, which the
+    down projection saves: ``N I`` elements less per layer (2 GiB for Llama-3.2-1B at 8192 tokens)
+    for one GLU kernel per layer in the backward (the backend's ``fastops.recompute_glu``).
 
     ``attention=False`` keeps the model's ``attn_implementation`` (packed rows then run transformers'
     materialised document mask in eager mode; under ``fastops_inductor`` the backend's document-mask
@@ -171,8 +175,9 @@ def apply(
         raise ValueError(
             f"inductor_ext.models.apply: loss_chunk_size must be None or a positive int, got {loss_chunk_size!r}"
         )
-    if not isinstance(recompute_norms, bool):
-        raise TypeError(f"inductor_ext.models.apply: recompute_norms must be a bool, got {recompute_norms!r}")
+    for switch, value in (("recompute_norms", recompute_norms), ("recompute_glu", recompute_glu)):
+        if not isinstance(value, bool):
+            raise TypeError(f"inductor_ext.models.apply: {switch} must be a bool, got {value!r}")
     if not isinstance(lora_dtype, str) or lora_dtype not in peft_lora.LORA_DTYPES:
         raise ValueError(
             f"inductor_ext.models.apply: lora_dtype must be one of {peft_lora.LORA_DTYPES}, got {lora_dtype!r}"
@@ -228,7 +233,14 @@ def apply(
                 "_fastops_fused_loss": loss,
                 "_fastops_weight_grad_accumulation": weight_grad_accumulation,
                 "_fastops_loss_chunk_size": loss_chunk_size,
-                "_fastops_recompute_norms": recompute_norms and norms,
+                "_fastops_recomputed": frozenset(
+                    kind
+                    for kind, on in (
+                        (recompute.NORMS, recompute_norms and norms),
+                        (recompute.GLU, recompute_glu and mlps),
+                    )
+                    if on
+                ),
                 "_fastops_packed_documents": packed_documents,
                 "_fastops_mask_only_cache": forwards.mask_only_cache_class(),
                 "_fastops_cache_argument": forwards.decoder_cache_argument(decoder) if decoder is not None else None,

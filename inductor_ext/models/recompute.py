@@ -1,4 +1,5 @@
-"""A patched model's norm outputs recomputed in the backward, in eager (``apply(recompute_norms=True)``).
+"""A patched model's norm (and GLU) outputs recomputed in the backward, in eager (``apply(recompute_norms=True,
+recompute_glu=False)``).
 
 The projections after a norm (q/k/v, gate/up, a LoRA layer) save their input, the norm's output ``y``,
 for their weights' gradients, while the norm's own backward saves its input ``x``: a decoder layer
@@ -7,7 +8,7 @@ tokens in bf16). Under ``torch.compile(backend="fastops_inductor")`` the partiti
 instead (:mod:`inductor_ext.inductor.recompute`); this module does the same for the patched model
 run eagerly.
 
-While :func:`norm_outputs_recomputed` is active (the patched causal LM's forward, in training, in plain
+While :func:`outputs_recomputed` is active (the patched causal LM's forward, in training, in plain
 eager), each patched norm marks its output with its own forward over ``x``
 (:func:`recomputable`), and ``torch.autograd.graph.saved_tensors_hooks`` store, for any saved tensor
 that is that output or a view of it, the mark and the view's geometry instead of the tensor. The
@@ -15,6 +16,12 @@ output itself is then freed once the forward no longer uses it; the first backwa
 runs the norm's forward again (the same kernel on the same input: the same bits) and the others read
 that result, which lives until the last of them is done. The norm's ``x`` stays alive exactly as long
 as before (its own backward, which runs after theirs, saves it).
+
+The GLU's output ``act(gate) * up``, which the down projection saves, is recomputed the same way from
+``gate`` and ``up`` (its own backward saves them, and writes their gradients over them only after the
+down projection's backward has read the recomputed output): ``N I`` elements less per layer (2 GiB for
+Llama-3.2-1B at 8192 tokens) for one GLU kernel per layer in the backward. Off by default, as the
+backend's ``fastops.recompute_glu``.
 
 Not active (the tensors are saved as usual) under tracing, where the backend's pass does this, and
 where other saved-tensor hooks are active or disabled when the forward starts (``save_on_cpu``,
@@ -34,7 +41,9 @@ import torch
 from torch import Tensor
 
 _MARK = "_fastops_recompute"
-_active: contextvars.ContextVar[bool] = contextvars.ContextVar("fastops_recompute_norms", default=False)
+NORMS, GLU = "norms", "glu"
+"""The kinds of outputs :func:`recomputable` marks."""
+_active: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("fastops_recompute", default=frozenset())
 
 
 class _Recompute:
@@ -60,10 +69,10 @@ def _root(t: Tensor) -> Tensor:
     return t if t._base is None else t._base
 
 
-def recomputable(y: Tensor, forward: Callable[[], Tensor]) -> Tensor:
+def recomputable(y: Tensor, forward: Callable[[], Tensor], kind: str) -> Tensor:
     """``y``, marked for recomputation by ``forward()`` (which returns it anew, in the same layout) while
-    :func:`norm_outputs_recomputed` is active; otherwise ``y`` untouched."""
-    if not torch.compiler.is_compiling() and _active.get():
+    :func:`outputs_recomputed` is active for ``kind`` (:data:`NORMS`, :data:`GLU`); otherwise untouched."""
+    if not torch.compiler.is_compiling() and kind in _active.get():
         setattr(_root(y), _MARK, _Recompute(forward))
     return y
 
@@ -92,24 +101,24 @@ def _hooks_are_ours_to_install() -> bool:
     return top is not None and enabled is not None and enabled() and top(False) is None
 
 
-def norm_outputs_recomputed(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Within, patched norms' outputs are recomputed in the backward instead of saved (module docstring),
-    if ``enabled``, nothing is tracing, gradients are being recorded and no other saved-tensor hooks are
-    active; otherwise a context that does nothing (what Dynamo traces)."""
+def outputs_recomputed(kinds: frozenset[str]) -> contextlib.AbstractContextManager[None]:
+    """Within, the patched model's outputs of ``kinds`` are recomputed in the backward instead of saved
+    (module docstring), if there are any, nothing is tracing, gradients are being recorded and no other
+    saved-tensor hooks are active; otherwise a context that does nothing (what Dynamo traces)."""
     if (
-        not enabled
+        not kinds
         or torch.compiler.is_compiling()
         or not torch.is_grad_enabled()
         or _active.get()
         or not _hooks_are_ours_to_install()
     ):
         return contextlib.nullcontext()
-    return _recomputing()
+    return _recomputing(kinds)
 
 
 @contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    token = _active.set(True)
+def _recomputing(kinds: frozenset[str]) -> Iterator[None]:
+    token = _active.set(kinds)
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield

@@ -1,6 +1,6 @@
 """Norm (and GLU) outputs recomputed in the backward on CUDA: under ``fastops_inductor`` on our kernel route
 (a Triton kernel's node recomputed by torch's partitioner; the Inductor route's aten math is checked on
-CPU) and in eager (``models.apply(recompute_norms=True)``'s saved-tensor hooks). A patched Llama-shaped
+CPU) and in eager (``models.apply(recompute_norms=..., recompute_glu=...)``'s saved-tensor hooks). A patched Llama-shaped
 model saves exactly the recomputed outputs less, the step's peak falls by about that much (the backward
 recomputes one output at a time, just before its projection reads it), and the gradients are those of
 the step that saves them, to the bit."""
@@ -88,12 +88,12 @@ def test_compiled_outputs_are_recomputed_not_saved(llama, glu):
         assert torch.equal(grad, kept_grads[name]), name
 
 
-def _eager_peak(llama, recompute: bool):
+def _eager_peak(llama, recompute: bool, glu: bool = False):
     """Peak, loss and gradients of an eager step (our saved-tensor hooks are off under the bytes-counting
     ones, so the peak is measured without them)."""
     reference, ids = llama
     model = copy.deepcopy(reference)
-    with models.patched(model, recompute_norms=recompute):
+    with models.patched(model, recompute_norms=recompute, recompute_glu=glu):
         for _ in range(2):  # the first launches tune our kernels
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
@@ -106,10 +106,12 @@ def _eager_peak(llama, recompute: bool):
         return torch.cuda.max_memory_allocated() - start, loss.detach(), grads
 
 
-def test_eager_norm_outputs_are_recomputed_not_saved(llama):
+@pytest.mark.parametrize("glu", [False, True])
+def test_eager_outputs_are_recomputed_not_saved(llama, glu):
     kept_peak, kept_loss, kept_grads = _eager_peak(llama, recompute=False)
-    peak, loss, grads = _eager_peak(llama, recompute=True)
-    assert kept_peak - peak >= PEAK_SHARE * NORM_OUTPUTS, (kept_peak, peak, NORM_OUTPUTS)
+    peak, loss, grads = _eager_peak(llama, recompute=True, glu=glu)
+    recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
+    assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
