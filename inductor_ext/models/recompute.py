@@ -28,7 +28,7 @@ where other saved-tensor hooks are active or disabled when the forward starts (`
 activation offloading, a framework's ``disable_saved_tensors_hooks``): only the innermost hooks run,
 and ours would silently replace the caller's. Inside ``torch.utils.checkpoint`` regions the
 checkpoint's own hooks are innermost, so those layers are recomputed by the checkpoint as before.
-A norm output written in place after the forward would be recomputed without that write: HF models
+An output written in place after the forward would be recomputed without that write: HF models
 never do so.
 """
 
@@ -47,7 +47,7 @@ _active: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("fastop
 
 
 class _Recompute:
-    """A norm output's forward, and its result once the backward asked for it."""
+    """An output's forward, and its result once the backward asked for it."""
 
     __slots__ = ("forward", "root")
 
