@@ -70,14 +70,16 @@ def launches_from_trace(trace: Mapping[str, Any]) -> Launches:
         record = records.get(event.get("args", {}).get("External id"))
         if record is None:
             continue
-        tensors = _tensor_arguments(record["args"])
         name = event["name"]
         if record["name"] != name:
-            shapes = " ".join(
-                f"{'x'.join(map(str, dims))} {str(dtype).removeprefix('torch.')}" for dims, dtype in tensors
-            )
-            launched_by.setdefault(name, f"{record['name']} {shapes}".strip())
+            if name not in launched_by:  # the first launch's op and arguments
+                shapes = " ".join(
+                    f"{'x'.join(map(str, dims))} {str(dtype).removeprefix('torch.')}"
+                    for dims, dtype in _tensor_arguments(record["args"])
+                )
+                launched_by[name] = f"{record['name']} {shapes}".strip()
             continue
+        tensors = _tensor_arguments(record["args"])
         total[name] = total.get(name, 0.0) + sum(math.prod(dims) * dtype.itemsize for dims, dtype in tensors)
         count[name] = count.get(name, 0) + 1
     return Launches({name: total[name] / count[name] for name in total}, launched_by)

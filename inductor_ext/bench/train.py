@@ -204,10 +204,11 @@ with ``mode="reduce-overhead"``: the forward and the backward replayed as CUDA g
 each step begins with ``torch.compiler.cudagraph_mark_step_begin()``); ``*_compiled_adamw`` step a
 ``foreach`` AdamW compiled by ``torch.compile`` (Inductor's horizontally fused kernels) instead of the
 fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_norms`` compile with
-``fastops.recompute_norms`` off (``patched_eager_save_norms``: ``models.apply(recompute_norms=False)``): the
-backward reads the saved norm outputs instead of recomputing them (:mod:`inductor_ext.inductor.recompute`,
-:mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with ``fastops.recompute_glu`` on (``patched_eager_recompute_glu``:
-``models.apply(recompute_glu=True)``): the GLU's output recomputed in the backward too."""
+``fastops.recompute_norms`` off (``patched_eager_save_norms``: ``models.apply(recompute_norms=False)``):
+the backward reads the saved norm outputs instead of recomputing them
+(:mod:`inductor_ext.inductor.recompute`, :mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with
+``fastops.recompute_glu`` on (``patched_eager_recompute_glu``: ``models.apply(recompute_glu=True)``): the
+GLU's output recomputed in the backward too."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",
@@ -549,7 +550,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any] | None:
         "gpu_ms_total": sum(categories.values()),
         "kernels_ms": {name: ms for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1]) if ms >= 0.01},
         # the GPU's time a profiled step: busy (any kernel running), idle in gaps of up to 5 us between
-        # kernels (launch latency) and in longer ones (waiting for the host); kernel_table.gpu_timeline
+        # kernels (launch latency) and in longer ones (waiting for the host); harness.gpu_timeline
         **(
             {}
             if timeline is None

@@ -24,11 +24,11 @@ def _recomputable_rms_norm(
     x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, casting: str = "llama"
 ) -> Tensor:
     """``rms_norm``, its output recomputed in the backward where :mod:`inductor_ext.models.recompute` is active."""
-    return recomputable(
-        rms_norm(x, weight, eps, offset=offset, casting=casting),
-        lambda: rms_norm(x, weight, eps, offset=offset, casting=casting),
-        NORMS,
-    )
+
+    def norm() -> Tensor:
+        return rms_norm(x, weight, eps, offset=offset, casting=casting)
+
+    return recomputable(norm(), norm, NORMS)
 
 
 def llama_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
