@@ -1,7 +1,8 @@
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``,
 ``python -m inductor_ext.bench backend|export|autotune|train|document_attention|generate [options]`` for the model-level benchmarks, or
-``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile|guards [options]`` for the
-developer tools (compile cost of our kernels, compile-time A/B, compile profile, guard cost).
+``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile|guards|projections [options]`` for
+the developer tools (compile cost of our kernels, compile-time A/B, compile profile, guard cost, fused
+sibling projections against separate ones).
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
@@ -43,10 +44,11 @@ TOOLS = {
     "compile_time_ab": "inductor_ext.bench.compile_time_ab",
     "profile_compile": "inductor_ext.bench.profile_compile",
     "guards": "inductor_ext.bench.guards",
+    "projections": "inductor_ext.bench.projections",
 }
 """Developer tools, each with its own ``main(argv)``: our kernels' compile cost for sm_90 on a CPU host
 (no GPU needed), a compile-time A/B of an environment variable, a sampling profile of a compile, the
-host cost of Dynamo's guards per guard filter (CPU)."""
+host cost of Dynamo's guards per guard filter (CPU), a layer's projections fused or separate (GPU)."""
 
 
 def main(argv: list[str] | None = None) -> int:
