@@ -1,8 +1,8 @@
 """``python -m inductor_ext.bench OP [--out DIR] [--shapes 32768x4096 ...] [--dtype bfloat16]``,
 ``python -m inductor_ext.bench backend|export|autotune|train|document_attention|generate [options]`` for the model-level benchmarks, or
-``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile|guards|projections [options]`` for
-the developer tools (compile cost of our kernels, compile-time A/B, compile profile, guard cost, fused
-sibling projections against separate ones).
+``python -m inductor_ext.bench compile_cost|compile_time_ab|profile_compile|guards|projections|optimizer [options]``
+for the developer tools (compile cost of our kernels, compile-time A/B, compile profile, guard cost, fused
+sibling projections against separate ones, AdamW against its bandwidth floor).
 
 Each op's benchmark is a module ``inductor_ext.bench.<op>`` with ``SHAPES`` (its
 default shape list), ``run(shapes, dtype, copy_gbps) -> list[Result]`` and,
@@ -45,10 +45,12 @@ TOOLS = {
     "profile_compile": "inductor_ext.bench.profile_compile",
     "guards": "inductor_ext.bench.guards",
     "projections": "inductor_ext.bench.projections",
+    "optimizer": "inductor_ext.bench.optimizer",
 }
 """Developer tools, each with its own ``main(argv)``: our kernels' compile cost for sm_90 on a CPU host
 (no GPU needed), a compile-time A/B of an environment variable, a sampling profile of a compile, the
-host cost of Dynamo's guards per guard filter (CPU), a layer's projections fused or separate (GPU)."""
+host cost of Dynamo's guards per guard filter (CPU), a layer's projections fused or separate (GPU),
+PyTorch's AdamW steps against their floor (GPU)."""
 
 
 def main(argv: list[str] | None = None) -> int:
