@@ -6,7 +6,8 @@ Six steps on the graph Dynamo hands over, then Inductor:
    block-sparse document attention where it is proven the packed-document mask (:mod:`.document_mask`);
 1. rewrite common spellings into fastops ops (:mod:`.rewrites`);
 2. mark the norm (and, as an option, GLU) outputs that feed matrix products for recomputation in
-   the backward (:mod:`.recompute`);
+   the backward (:mod:`.recompute`), and return widening linear outputs the graph also reads (HF's
+   logits) detached, to be differentiated outside the compiled graph only when used (:mod:`.lazy_outputs`);
 3. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
 4. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
@@ -31,6 +32,7 @@ from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
+from inductor_ext.inductor.lazy_outputs import defer_linear_output_grads, with_lazy_outputs
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.recompute import GLU_FORWARDS, NORM_FORWARDS, mark_recompute
 from inductor_ext.inductor.rewrites import apply_rewrites
@@ -67,6 +69,7 @@ def fastops_inductor(
     recomputed = (NORM_FORWARDS if ours.recompute_norms else ()) + (GLU_FORWARDS if ours.recompute_glu else ())
     if recomputed:
         mark_recompute(gm, recomputed)
+    lazy = defer_linear_output_grads(gm, example_inputs) if ours.lazy_linear_outputs else []
     planner = RoutePlanner(ours, TuningDatabase())
     planner.plan_graph(gm)
 
@@ -80,7 +83,7 @@ def fastops_inductor(
     patches["post_grad_custom_post_pass"] = FastopsGraphPass(state, chained=user_pass)
     with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
         compiled = compile_fx(gm, example_inputs, inner_compile=compile_fx_inner_patched, config_patches=patches)
-    return cast(Callable[..., Any], compiled)
+    return with_lazy_outputs(cast(Callable[..., Any], compiled), lazy)
 
 
 def compile_fx_inner_patched(*args: Any, **kwargs: Any) -> Any:

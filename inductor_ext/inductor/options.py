@@ -40,6 +40,10 @@ named next to each. An explicit option beats the environment, which beats the de
     The same for the SwiGLU/GeGLU output that feeds the down projection (default false): one GLU
     kernel per layer in the backward, ``N I`` elements less saved per layer (2 GiB for Llama-3.2-1B
     at 8192 tokens).
+``fastops.lazy_linear_outputs`` (``INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS``)
+    Return a graph output computed by a widening linear layer and read inside the graph too (HF's logits
+    next to the loss) detached, re-attached to autograd outside the compiled graph, so an unused one
+    costs no zero gradient of its size (default true; :mod:`.lazy_outputs`).
 ``cpp_wrapper`` (``INDUCTOR_EXT_CPP_WRAPPER``)
     Inductor's C++ wrapper; with it, ``triton.autotune_at_compile_time`` is forced on
     (torch 2.13 otherwise defaults it off and asserts with multi-kernel).
@@ -62,6 +66,7 @@ OPTION_NAMES = (
     "assume_no_padding",
     "recompute_norms",
     "recompute_glu",
+    "lazy_linear_outputs",
 )
 """Our options, each spelled ``fastops.<name>`` in ``options``."""
 _PREFIX = "fastops."
@@ -81,6 +86,7 @@ class BackendOptions:
     document_mask: bool = True
     recompute_norms: bool = True
     recompute_glu: bool = False
+    lazy_linear_outputs: bool = True
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
@@ -134,9 +140,10 @@ def parse_options(
     document_mask = ours.get("document_mask", env_flag(env, "INDUCTOR_EXT_DOCUMENT_MASK", True))
     recompute_norms = ours.get("recompute_norms", env_flag(env, "INDUCTOR_EXT_RECOMPUTE_NORMS", True))
     recompute_glu = ours.get("recompute_glu", env_flag(env, "INDUCTOR_EXT_RECOMPUTE_GLU", False))
+    lazy_linear_outputs = ours.get("lazy_linear_outputs", env_flag(env, "INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS", True))
     parsed = BackendOptions(
         default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding),
-        bool(document_mask), bool(recompute_norms), bool(recompute_glu),
+        bool(document_mask), bool(recompute_norms), bool(recompute_glu), bool(lazy_linear_outputs),
     )  # fmt: skip
     return parsed, options
 

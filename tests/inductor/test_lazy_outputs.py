@@ -1,0 +1,150 @@
+"""``fastops.lazy_linear_outputs`` on CPU: HF's returned logits get no logits-sized zero gradient in the
+compiled backward, the gradients are unchanged to the bit when the logits are unused and equal when they
+are used (also under autocast), and only widening linear outputs that the graph also reads are deferred."""
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+import transformers
+
+import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.inductor import backend
+from inductor_ext.inductor.lazy_outputs import LinearOutput
+from inductor_ext.inductor.options import parse_options
+
+VOCAB, H, BATCH, SEQ = 1000, 64, 2, 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles():
+    """Every compile traced and partitioned (no FX-graph or AOTAutograd cache hit)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def test_option_defaults_on_and_is_set_by_option_or_environment():
+    assert parse_options(None, env={})[0].lazy_linear_outputs is True
+    assert parse_options({"fastops.lazy_linear_outputs": False}, env={})[0].lazy_linear_outputs is False
+    assert parse_options(None, env={"INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS": "0"})[0].lazy_linear_outputs is False
+
+
+def _llama(dtype=torch.float32):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _step(model, ids, *, lazy, use_logits=False, autocast=False):
+    """One compiled forward and backward: (loss, logits, gradients, shapes of the zeros the backward's
+    autograd node was handed for unused outputs)."""
+    compiled = torch.compile(model, backend="fastops_inductor", options={"fastops.lazy_linear_outputs": lazy})
+    model.zero_grad(set_to_none=True)
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof,
+    ):
+        out = compiled(input_ids=ids, labels=ids)
+        loss = out.loss + (out.logits.float().square().mean() if use_logits else 0)
+        loss.backward()
+    zeros = [tuple(e.input_shapes[0]) for e in prof.events() if e.name == "aten::zero_" and _under_compiled_backward(e)]
+    return out.loss.detach(), out.logits, [p.grad for p in model.parameters()], zeros
+
+
+def _under_compiled_backward(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "CompiledFunctionBackward":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def test_unused_logits_get_no_zero_gradient_and_the_gradients_are_unchanged_to_the_bit():
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    loss, logits, grads, zeros = _step(model, ids, lazy=True)
+    loss_ref, logits_ref, grads_ref, zeros_ref = _step(model, ids, lazy=False)
+    logits_shape = (BATCH, SEQ, VOCAB)
+    assert logits_shape in zeros_ref  # what the option removes: without it, autograd hands zero logits in
+    assert logits_shape not in zeros and (BATCH, SEQ, H) in zeros  # the final hidden state's zeros instead
+    assert torch.equal(loss, loss_ref) and torch.equal(logits.detach(), logits_ref.detach())
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
+def test_used_logits_get_their_gradient(autocast):
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    _, logits, grads, zeros = _step(model, ids, lazy=True, use_logits=True, autocast=autocast)
+    _, logits_ref, grads_ref, _ = _step(model, ids, lazy=False, use_logits=True, autocast=autocast)
+    logits_ref = logits_ref.detach()
+    assert isinstance(logits.grad_fn, LinearOutput._backward_cls), logits.grad_fn
+    assert (BATCH, SEQ, VOCAB) not in zeros
+    assert torch.equal(logits.detach(), logits_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert g.dtype == g_ref.dtype == torch.float32
+        # the logits' two gradient contributions reach the hidden state as two products instead of one
+        tol = 1e-2 if autocast else 1e-5
+        torch.testing.assert_close(g, g_ref, rtol=tol, atol=tol * g_ref.abs().max().item())
+
+
+class Heads(torch.nn.Module):
+    """Four linear outputs returned next to a loss read from them: a widening one read by the loss
+    (deferred), a widening one with a bias read by the loss (deferred), a narrowing one (kept: its zeros
+    would not be larger than its input's) and a widening one the graph does not read (kept: nothing to save)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(H, 4 * H, bias=False)
+        self.biased = torch.nn.Linear(H, 3 * H)
+        self.narrow = torch.nn.Linear(H, H // 2, bias=False)
+        self.unread = torch.nn.Linear(H, 2 * H, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        wide, biased, narrow, unread = self.wide(h), self.biased(h), self.narrow(h), self.unread(h)
+        return wide.sum() + biased.square().sum() + narrow.sum(), wide, biased, narrow, unread
+
+
+def test_only_widening_outputs_the_graph_reads_are_deferred(monkeypatch):
+    deferred, defer = [], backend.defer_linear_output_grads
+
+    def spy(gm, example_inputs):
+        lazy = defer(gm, example_inputs)
+        deferred.append([entry.output for entry in lazy])
+        return lazy
+
+    monkeypatch.setattr(backend, "defer_linear_output_grads", spy)
+    torch.manual_seed(0)
+    heads = Heads()
+    x = torch.randn(SEQ, H, requires_grad=True)
+    loss, wide, biased, narrow, unread = torch.compile(heads, backend="fastops_inductor", fullgraph=True)(x)
+    assert deferred == [[1, 2]]
+    assert isinstance(wide.grad_fn, LinearOutput._backward_cls) and isinstance(biased.grad_fn, LinearOutput._backward_cls)
+    (loss + wide.mean() + biased.mean() + narrow.mean() + unread.mean()).backward()
+
+    x_ref = x.detach().clone().requires_grad_()
+    heads_ref = Heads()
+    heads_ref.load_state_dict(heads.state_dict())
+    loss_ref, *outs_ref = heads_ref(x_ref)
+    (loss_ref + sum(o.mean() for o in outs_ref)).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, p_ref in zip(heads.parameters(), heads_ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad)
+
+
+def test_inference_graphs_are_left_alone(monkeypatch):
+    deferred, defer = [], backend.defer_linear_output_grads
+    monkeypatch.setattr(backend, "defer_linear_output_grads", lambda gm, ex: deferred.append(defer(gm, ex)) or deferred[-1])
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with torch.no_grad():
+        out = torch.compile(model, backend="fastops_inductor")(input_ids=ids, labels=ids)
+    assert deferred == [[]] and out.logits.grad_fn is None
