@@ -136,6 +136,8 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                              "options": {"guard_filter_fn": "skip_parameter_guards"}},
     "torch_compile_cudagraphs": {"mode": "reduce-overhead"},
     "fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
+    "fastops_inductor_zero_output_grads": {"backend": "fastops_inductor",
+                                           "options": {"fastops.lazy_linear_outputs": False}},
     "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
     "fastops_inductor_compiled_adamw": {"backend": "fastops_inductor"},
     "liger_eager": None,
@@ -208,7 +210,9 @@ fused AdamW (one ``multi_tensor_apply`` kernel per group of tensors); ``*_save_n
 the backward reads the saved norm outputs instead of recomputing them
 (:mod:`inductor_ext.inductor.recompute`, :mod:`inductor_ext.models.recompute`); ``*_recompute_glu`` with
 ``fastops.recompute_glu`` on (``patched_eager_recompute_glu``: ``models.apply(recompute_glu=True)``): the
-GLU's output recomputed in the backward too."""
+GLU's output recomputed in the backward too; ``*_zero_output_grads`` with ``fastops.lazy_linear_outputs``
+off: the compiled backward takes zeros for the returned, undifferentiated logits
+(:mod:`inductor_ext.inductor.lazy_outputs`)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",

@@ -89,8 +89,9 @@ def _linear_parts(
     result, w = value(y), value(weight)
     if (
         not isinstance(x, Node)
+        or not isinstance(weight, Node)
         or weight not in inputs
-        or (bias is not None and bias not in inputs)
+        or not (bias is None or (isinstance(bias, Node) and bias in inputs))
         or not isinstance(result, torch.Tensor)
         or not result.requires_grad
         or not isinstance(w, torch.Tensor)

@@ -127,7 +127,9 @@ def test_only_widening_outputs_the_graph_reads_are_deferred(monkeypatch):
     x = torch.randn(SEQ, H, requires_grad=True)
     loss, wide, biased, narrow, unread = torch.compile(heads, backend="fastops_inductor", fullgraph=True)(x)
     assert deferred == [[1, 2]]
-    assert isinstance(wide.grad_fn, LinearOutput._backward_cls) and isinstance(biased.grad_fn, LinearOutput._backward_cls)
+    assert isinstance(wide.grad_fn, LinearOutput._backward_cls) and isinstance(
+        biased.grad_fn, LinearOutput._backward_cls
+    )
     (loss + wide.mean() + biased.mean() + narrow.mean() + unread.mean()).backward()
 
     x_ref = x.detach().clone().requires_grad_()
@@ -142,7 +144,9 @@ def test_only_widening_outputs_the_graph_reads_are_deferred(monkeypatch):
 
 def test_inference_graphs_are_left_alone(monkeypatch):
     deferred, defer = [], backend.defer_linear_output_grads
-    monkeypatch.setattr(backend, "defer_linear_output_grads", lambda gm, ex: deferred.append(defer(gm, ex)) or deferred[-1])
+    monkeypatch.setattr(
+        backend, "defer_linear_output_grads", lambda gm, ex: deferred.append(defer(gm, ex)) or deferred[-1]
+    )
     model = _llama()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     with torch.no_grad():
