@@ -117,11 +117,19 @@ def with_lazy_outputs(compiled: Callable[..., Any], lazy: Sequence[LazyOutput]) 
         for entry in lazy:
             bias = None if entry.bias is None else args[entry.bias]
             results[entry.output] = LinearOutput.apply(
-                results[entry.input], args[entry.weight], bias, results[entry.output]
+                results[entry.input], args[entry.weight], bias, Detached(results[entry.output])
             )
         return results[:first_extra]
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Detached:
+    """``y`` handed to :class:`LinearOutput` out of autograd's sight: a tensor argument returned as it is
+    would come back as a view, which autograd forbids modifying in place (HF's logits may be)."""
+
+    tensor: torch.Tensor
 
 
 class LinearOutput(torch.autograd.Function):
@@ -129,11 +137,11 @@ class LinearOutput(torch.autograd.Function):
     function of ``x``, ``W`` and ``b``; a backward that only runs when ``y`` receives a gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: Detached) -> Any:
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
+        return y.tensor
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None) -> Any:
