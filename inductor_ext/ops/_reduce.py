@@ -5,12 +5,10 @@ import torch
 import triton
 from torch import Tensor
 
-from inductor_ext.kernels.reduce import (
-    SUM_ROWS_BLOCK_N,
-    SUM_ROWS_BLOCK_R,
-    sum_rows_kernel,
-)
+from inductor_ext.kernels.reduce import sum_rows_kernel, sum_rows_tuned_kernel
 from inductor_ext.ops._launch import Launch
+
+INTERPRETER_BLOCK_N = 4096
 
 
 def sum_partial_rows(launch: Launch, partial: Tensor, param: Tensor | None) -> Tensor:
@@ -20,8 +18,9 @@ def sum_partial_rows(launch: Launch, partial: Tensor, param: Tensor | None) -> T
         return partial
     programs, n = partial.shape
     out = torch.empty_like(param, memory_format=torch.contiguous_format)
-    # the interpreter runs programs one after another: fewer, wider ones there
-    block_n = SUM_ROWS_BLOCK_N if partial.device.type == "cuda" else 4096
-    launch(sum_rows_kernel, lambda meta: (triton.cdiv(n, block_n),), partial, out, programs, n,
-           BLOCK_R=SUM_ROWS_BLOCK_R, BLOCK_N=block_n)  # fmt: skip
+    if partial.device.type == "cuda":
+        launch(sum_rows_tuned_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),), partial, out, programs, n)
+    else:  # the interpreter runs programs one after another: fewer, wider ones there
+        launch(sum_rows_kernel, lambda meta: (triton.cdiv(n, INTERPRETER_BLOCK_N),), partial, out, programs, n,
+               BLOCK_R=16, BLOCK_N=INTERPRETER_BLOCK_N)  # fmt: skip
     return out
