@@ -7,8 +7,8 @@ output, and autograd's engine fills the gradients nobody gave with zeros: for th
 (2.1 GB at Llama-3.2-1B, 4 × 2048 tokens, bf16) written before the backward runs, then read by the compiled
 backward, which adds them to the loss's gradient of the logits (another ``N V`` write and two reads).
 That is about 8 GB moved for nothing, ~2 ms of a 120 ms step on the H200 (the unpatched step's profile
-shows a bf16 fill of 0.73 ms and a pointwise add of 1.43 ms, their sizes those of this fill and add), and
-two ``N V`` buffers at the start of the backward. Stock ``torch.compile`` pays the same; eager autograd
+shows a bf16 fill of 0.73 ms and a pointwise add of 1.43 ms, the times this fill, with the KV cache's
+zeros, and this add take at the copy bandwidth), and two ``N V`` buffers at the start of the backward. Stock ``torch.compile`` pays the same; eager autograd
 does not (the logits are the loss's input, one tensor with one gradient).
 
 For each graph output ``y = linear(x, W, b)`` that the graph also reads (the loss), with ``W`` (and ``b``)
@@ -107,18 +107,19 @@ def _linear_parts(
 
 def with_lazy_outputs(compiled: Callable[..., Any], lazy: Sequence[LazyOutput]) -> Callable[..., Any]:
     """``compiled`` (the rewritten graph, compiled) with each lazy output re-attached to autograd and the
-    extra outputs dropped: the original graph's outputs."""
+    extra outputs dropped: the original graph's outputs. Dynamo calls a backend's function with the graph's
+    inputs as positional arguments (``compile_fx``'s may carry ``_boxed_call`` from the function it wraps,
+    yet takes them so too)."""
     if not lazy:
         return compiled
     first_extra = min(entry.input for entry in lazy)
 
-    def run(*args: Any) -> Any:
+    def run(*args: Any) -> list[Any]:
         results = list(compiled(*args))
         for entry in lazy:
             bias = None if entry.bias is None else args[entry.bias]
-            results[entry.output] = LinearOutput.apply(
-                results[entry.input], args[entry.weight], bias, Detached(results[entry.output])
-            )
+            y = Detached(results[entry.output])
+            results[entry.output] = LinearOutput.apply(results[entry.input], args[entry.weight], bias, y)
         return results[:first_extra]
 
     return run
