@@ -16,13 +16,7 @@ from inductor_ext.inductor.options import parse_options
 VOCAB, H, BATCH, SEQ = 1000, 64, 2, 32
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiles():
-    """Every compile traced and partitioned (no FX-graph or AOTAutograd cache hit)."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 def test_option_defaults_on_and_is_set_by_option_or_environment():

@@ -18,13 +18,7 @@ from tests.hf_spellings import LlamaRMSNorm
 H, TOKENS, LAYERS = 64, 32, 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiles():
-    """Every compile traced and partitioned (no FX-graph or AOTAutograd cache hit)."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 def test_options_default_norms_on_glu_off_and_are_set_by_option_or_environment():
