@@ -27,6 +27,7 @@ OPS += ["cross_entropy", "fused_linear_cross_entropy"]
 OPS += ["glu", "rope"]
 OPS += ["nf4_dequantize"]
 OPS += ["decode_attention"]
+OPS += ["embedding"]
 
 
 MODEL_BENCHES = {

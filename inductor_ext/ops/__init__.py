@@ -2,6 +2,7 @@
 
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
+from inductor_ext.ops.embedding import embedding
 from inductor_ext.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_ref,
@@ -46,3 +47,4 @@ __all__ += ["apply_rotary_pos_emb", "apply_rotary_pos_emb_", "apply_rotary_pos_e
 __all__ += ["LoraProjection", "lora_linear", "lora_linear_ref", "lora_mlp", "lora_mlp_ref", "lora_qkv", "lora_qkv_ref"]
 __all__ += ["Nf4Weight", "nf4_dequantize"]
 __all__ += ["decode_attention", "decode_attention_ref"]
+__all__ += ["embedding"]

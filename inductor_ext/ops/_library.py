@@ -157,7 +157,8 @@ def define_op_family(
     * ``*_kernels(launch, *args)``: same signature after ``launch``; allocates outputs and
       launches Triton kernels through ``launch`` (traceable inside ops, direct in eager).
       None for both: the op has no kernels of its own (e.g. only cuBLAS GEMMs through aten), so
-      the math runs on every path and the backend has no route to time.
+      the math runs on every path and the backend has no route to time; None for one: that direction
+      runs its math on every path (e.g. the embedding's forward, a gather).
     * ``setup_context(ctx, inputs, output)``: saves what the backward needs.
     * ``backward(ctx, bwd, *grads)``: returns input grads, computing them with ``bwd``
       (the registered backward op, or its eager twin, called with ``bwd_math``'s signature).
@@ -208,7 +209,7 @@ def define_op_family(
         _run_bwd_direct,
         setup_context,
         backward,
-        has_kernels=fwd_kernels is not None,
+        has_kernels=fwd_kernels is not None or bwd_kernels is not None,
     )
     FAMILIES[fwd_op] = family
     FAMILY_OF.update(dict.fromkeys((fwd_op._name, bwd_op._name), name))

@@ -21,6 +21,8 @@ argument is filled by what it *means*, read from the op's schema:
   ``position_ids``
       consecutive positions from a random start per sequence (the last dim),
       wrapped into the rows of the ``cos`` table: in range, never all zero.
+  ``token_ids``
+      uniform in ``[0, V)``, V the rows of the embedding ``weight`` (or ``num_weights``).
 
 An op with an integer argument of another name must name it here (or rename it to a
 convention); :func:`random_inputs` raises a ``ValueError`` naming the op and argument
@@ -63,7 +65,17 @@ def _position_ids(shape: list[int], dtype: torch.dtype, device: torch.device, bo
     return ((starts + torch.arange(length, device=device)) % rows).to(dtype).reshape(shape)
 
 
-INDEX_ARGUMENTS: dict[str, IndexRule] = {"labels": _labels, "position_ids": _position_ids}
+def _token_ids(shape: list[int], dtype: torch.dtype, device: torch.device, bound: Mapping[str, Any]) -> torch.Tensor:
+    if isinstance(bound.get("weight"), torch.Tensor):
+        rows = size_hint(bound["weight"].shape[0])
+    elif "num_weights" in bound:
+        rows = int(bound["num_weights"])
+    else:
+        raise ValueError("token_ids need a `weight` or `num_weights` argument to give the number of rows")
+    return torch.randint(0, max(rows or 1, 1), shape, dtype=dtype, device=device)
+
+
+INDEX_ARGUMENTS: dict[str, IndexRule] = {"labels": _labels, "position_ids": _position_ids, "token_ids": _token_ids}
 """Integer argument name (in op schemas) -> how to fill it."""
 
 

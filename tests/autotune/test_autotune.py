@@ -158,8 +158,8 @@ def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
     out = capsys.readouterr().out
     entries = _entries()
     # the first layer's input norm stays an RMSNorm; the norms of residual sums fuse the add and
-    # share one signature (one entry); likewise RoPE and SwiGLU
-    ops = ("add_rms_norm", "cross_entropy", "glu", "rms_norm", "rope")
+    # share one signature (one entry); likewise RoPE and SwiGLU; the (trainable) embedding is one call
+    ops = ("add_rms_norm", "cross_entropy", "embedding", "glu", "rms_norm", "rope")
     assert _route_ops(entries) == [f"fastops::{op}_fwd" for op in ops]
     assert all(record == {"status": "untuned"} and key.endswith("|cpu") for key, record in entries.items())
     keys = "\n".join(entries)
@@ -167,7 +167,8 @@ def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
     assert "fastops::add_rms_norm_fwd|(float32[32,64], float32[32,64], float32[64], 1e-06, 0.0, 'llama')|cpu" in keys
     assert "fastops::glu_fwd|(float32[32,96], float32[32,96], 'silu')|cpu" in keys
     assert "fastops::cross_entropy_fwd|(float32[32,97], int64[32], -100, 0.0, 0.0, 0.0, 'mean')|cpu" in keys
-    assert out.count("untuned") == 5
+    assert "fastops::embedding_fwd|(float32[97,64], int64[" in keys
+    assert out.count("untuned") == 6
 
     assert main(["show"]) == 0
     shown = capsys.readouterr().out

@@ -75,6 +75,7 @@ def test_rewrite_order_is_unchanged() -> None:
         "glu",
         "cross_entropy",
         "rope_hf",
+        "embedding",
     ]
 
 
