@@ -3,11 +3,12 @@
 The forward is ``F.embedding`` (a gather; no kernel of ours). The backward's dense ``(V, H)`` gradient is
 the sum of the output gradient's rows per token id. Inductor's code for it (its decomposition of
 ``aten.embedding_dense_backward``) zero-fills an fp32 ``(V, H)`` buffer, adds the rows into it with
-atomics and converts it to the weight's dtype: about ``4 + 6`` bytes per weight element moved (1.3 GB at
-Llama-3.2-1B's 128256 × 2048 in bf16) and a result that varies in its last bits from run to run. Our
-kernel (:mod:`inductor_ext.kernels.embedding`) sorts the token rows by id, finds each id's run by binary
-search, and writes every row of the gradient once in the weight's dtype (2 bytes an element in bf16),
-each row the fp32 sum of its run rounded once: for a given launch config the same bits on every run.
+atomics and converts it to the weight's dtype: 10 bytes moved per weight element in bf16 (written 4, read
+4, written 2: 2.6 GB at Llama-3.2-1B's 128256 × 2048), and last bits that vary from run to run. Our kernel
+(:mod:`inductor_ext.kernels.embedding`) sorts the token rows by id, finds each id's run by binary search,
+and writes every row of the gradient once in the weight's dtype (2 bytes an element in bf16: 0.5 GB
+there), each row the fp32 sum of its run rounded once: for a given launch config the same bits on every
+run.
 
 Under the ``fastops_inductor`` backend, ``F.embedding`` calls (HF's ``nn.Embedding``) without
 ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` become this op, and route timing picks our kernel or
