@@ -2,6 +2,9 @@
 longer holds the logits' zero gradient (the step's peak falls by at least the logits' bytes) and gives the
 same loss and gradients, also with CUDA graphs (``mode="reduce-overhead"``) and with the logits used."""
 
+import contextlib
+import os
+
 import pytest
 import torch
 import transformers
@@ -39,8 +42,26 @@ def _steps(llama, *, lazy: bool, mode: str | None = None, use_logits: bool = Fal
     """Peak bytes above the step's start, loss and gradients of the third compiled step."""
     model, ids = llama
     torch._dynamo.reset()
-    options = {"fastops.route": "kernel", "fastops.lazy_linear_outputs": lazy}
-    compiled = torch.compile(model, backend="fastops_inductor", mode=mode, options=options)
+    # torch.compile takes a mode or options, not both: the backend's options through the environment
+    with _environment(INDUCTOR_EXT_ROUTE="kernel", INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS=str(int(lazy))):
+        return _run(torch.compile(model, backend="fastops_inductor", mode=mode), model, ids, mode, use_logits)
+
+
+@contextlib.contextmanager
+def _environment(**variables):
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = old
+
+
+def _run(compiled, model, ids, mode, use_logits):
     for _ in range(3):  # compile, then (CUDA graphs) record, then replay
         model.zero_grad(set_to_none=True)
         if mode == "reduce-overhead":
