@@ -16,6 +16,7 @@ Llama-3.2-1B in bf16); the package stores them in place of the originals (one re
 ``nn.Linear`` modules of one input width, dtype and device, with biases on all or none.
 """
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,7 +36,7 @@ class FusedProjection(nn.Module):
         self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
         biases = [p.bias.detach() for p in projections if p.bias is not None]
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if biases else None
-        ends = torch.tensor([p.out_features for p in projections]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(p.out_features for p in projections))
         self.columns = list(zip([0, *ends[:-1]], ends))
         self._input: Tensor | None = None
         self._output: Tensor | None = None
@@ -67,18 +68,21 @@ class ProjectionSlice(nn.Module):
         return self.fused.columns_of(self.index, x)
 
 
-def _fusable(projections: Sequence[object]) -> bool:
-    if not all(type(p) is nn.Linear for p in projections):
-        return False
-    linears = [p for p in projections if isinstance(p, nn.Linear)]
+def _fusable(projections: Sequence[object]) -> list[nn.Linear] | None:
+    """The group's ``nn.Linear`` modules if they can be fused (one input width, dtype and device; biases on
+    all or none), else None."""
+    linears = [p for p in projections if type(p) is nn.Linear]
+    if len(linears) != len(projections):
+        return None
     first = linears[0]
-    return all(
+    same = all(
         p.in_features == first.in_features
         and p.weight.dtype == first.weight.dtype
         and p.weight.device == first.weight.device
         and (p.bias is None) == (first.bias is None)
         for p in linears
     )
+    return linears if same else None
 
 
 @contextmanager
@@ -90,18 +94,17 @@ def fused_projections(model: nn.Module) -> Iterator[int]:
     try:
         for module in list(model.modules()):
             for names in GROUPS:
-                projections = [getattr(module, name, None) for name in names]
-                if not _fusable(projections):
+                linears = _fusable([getattr(module, name, None) for name in names])
+                if linears is None:
                     continue
-                group = FusedProjection([p for p in projections if isinstance(p, nn.Linear)])
+                group = FusedProjection(linears)
                 fused.append(group)
-                for index, (name, projection) in enumerate(zip(names, projections)):
-                    assert isinstance(projection, nn.Module)
+                for index, (name, projection) in enumerate(zip(names, linears)):
                     replaced.append((module, name, projection))
                     setattr(module, name, ProjectionSlice(group, index))
         yield len(fused)
     finally:
-        for module, name, projection in reversed(replaced):
-            setattr(module, name, projection)
+        for module, name, original in reversed(replaced):
+            setattr(module, name, original)
         for group in fused:
             group.forget()
