@@ -1,6 +1,6 @@
 """Embedding: the one-pass weight gradient (under the interpreter on CPU) against float64, with repeated ids,
 long runs of one id, ``padding_idx``, 3-D ids and every autotune config; bad input; the backend's rewrite of
-HF's ``nn.Embedding`` and the step's gradients under ``fastops_inductor``."""
+HF's ``nn.Embedding`` and the step's gradients under ``fastops_inductor``; opcheck of the registered ops."""
 
 import pytest
 import torch
@@ -111,3 +111,11 @@ def test_backend_rewrites_a_trainable_embedding_and_keeps_the_gradients():
 
 def test_public_function_is_exported():
     assert inductor_ext.embedding is embedding
+
+
+def test_the_registered_ops_pass_opcheck():
+    weight = torch.randn(40, 24, requires_grad=True)
+    ids = _ids((3, 10), 40, seed=4)
+    torch.library.opcheck(torch.ops.fastops.embedding_fwd.default, (weight, ids, 5))
+    dy = torch.randn(3, 10, 24)
+    torch.library.opcheck(torch.ops.fastops.embedding_bwd.default, (dy, ids, 40, -1))
