@@ -6,9 +6,9 @@ the sum of the output gradient's rows per token id. Inductor's code for it (its 
 atomics and converts it to the weight's dtype: 10 bytes moved per weight element in bf16 (written 4, read
 4, written 2: 2.6 GB at Llama-3.2-1B's 128256 × 2048), and last bits that vary from run to run. Our kernel
 (:mod:`inductor_ext.kernels.embedding`) sorts the token rows by id, finds each id's run by binary search,
-and writes every row of the gradient once in the weight's dtype (2 bytes an element in bf16: 0.5 GB
-there), each row the fp32 sum of its run rounded once: for a given launch config the same bits on every
-run.
+zero-fills the gradient in the weight's dtype (2 bytes an element in bf16: 0.5 GB there) and writes the
+rows of the ids that occur, each the fp32 sum of its run rounded once: for a given launch config the same
+bits on every run.
 
 Under the ``fastops_inductor`` backend, ``F.embedding`` calls (HF's ``nn.Embedding``) without
 ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` become this op, and route timing picks our kernel or
@@ -23,13 +23,13 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor
 
-from inductor_ext.kernels.embedding import BLOCK_T, embedding_bwd_kernel, embedding_bwd_tuned_kernel
+from inductor_ext.kernels.embedding import embedding_bwd_kernel, embedding_bwd_tuned_kernel
 from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._library import define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INTERPRETER_BLOCKS = {"BLOCK_V": 8, "BLOCK_H": 1024, "BLOCK_T": BLOCK_T}
-"""The interpreter runs programs one after another: few, wide ones there."""
+INTERPRETER_BLOCKS = {"BLOCK_H": 1024, "BLOCK_T": 16}
+"""The interpreter runs programs one after another: wide ones there."""
 
 
 def embedding_fwd_math(weight: Tensor, token_ids: Tensor, padding_idx: int) -> Tensor:
@@ -47,15 +47,17 @@ def embedding_bwd_kernels(launch: Launch, dy: Tensor, token_ids: Tensor, num_wei
     rows = dy.reshape(-1, hidden)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    sorted_ids, order = torch.sort(token_ids.reshape(-1), stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(num_weights + 1, device=dy.device, dtype=sorted_ids.dtype))
-    dw = torch.empty((num_weights, hidden), dtype=dy.dtype, device=dy.device)
-    args = (rows, order, bounds, dw, num_weights, hidden, rows.stride(0), padding_idx)
+    flat_ids = token_ids.reshape(-1)
+    dw = torch.zeros((num_weights, hidden), dtype=dy.dtype, device=dy.device)
+    if flat_ids.numel() == 0:
+        return dw
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    run_ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
+    args = (rows, sorted_ids, order, run_ends, dw, hidden, rows.stride(0), padding_idx)
     on_gpu = dy.device.type == "cuda"
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
-        blocks = meta if on_gpu else INTERPRETER_BLOCKS
-        return triton.cdiv(num_weights, blocks["BLOCK_V"]), triton.cdiv(hidden, blocks["BLOCK_H"])
+        return flat_ids.numel(), triton.cdiv(hidden, (meta if on_gpu else INTERPRETER_BLOCKS)["BLOCK_H"])
 
     if on_gpu:
         launch(embedding_bwd_tuned_kernel, grid, *args)

@@ -52,18 +52,21 @@ def test_weight_gradient_against_float64(dtype, padding_idx):
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", EMBEDDING_BWD_CONFIGS, ids=lambda c: "v{BLOCK_V}_h{BLOCK_H}".format(**c.kwargs))
+@pytest.mark.parametrize("config", EMBEDDING_BWD_CONFIGS, ids=lambda c: "h{BLOCK_H}_t{BLOCK_T}".format(**c.kwargs))
 def test_every_config_sums_each_run(config):
-    vocab, hidden = 300, 200  # blocks that do not divide the rows or the columns
-    ids = _ids((70,), vocab, seed=1)
+    vocab, hidden = 300, 200  # column blocks that do not divide the columns
+    ids = _ids((70,), vocab, seed=1)  # a run of 35 rows: longer than every BLOCK_T
     sorted_ids, order = torch.sort(ids, stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(vocab + 1))
+    run_ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     dy = torch.randn(70, hidden)
-    dw = torch.full((vocab, hidden), float("nan"))  # every row written, also those of absent ids
-    blocks = config.kwargs
-    grid = (triton.cdiv(vocab, blocks["BLOCK_V"]), triton.cdiv(hidden, blocks["BLOCK_H"]))
-    DirectLaunch()(embedding_bwd_kernel, lambda meta: grid, dy, order, bounds, dw, vocab, hidden, hidden, -1, **blocks)
-    assert rel_err(dw, _reference_grad(ids, dy, vocab, None)) < reduced_grad(torch.float32, 35)
+    dw = torch.zeros(vocab, hidden)
+    grid = (70, triton.cdiv(hidden, config.kwargs["BLOCK_H"]))
+    args = (dy, sorted_ids, order, run_ends, dw, hidden, hidden, -1)
+    DirectLaunch()(embedding_bwd_kernel, lambda meta: grid, *args, **config.kwargs)
+    reference = _reference_grad(ids, dy, vocab, None)
+    assert rel_err(dw, reference) < reduced_grad(torch.float32, 35)
+    DirectLaunch()(embedding_bwd_kernel, lambda meta: grid, *args, **config.kwargs)  # as autotuning re-runs it
+    assert rel_err(dw, reference) < reduced_grad(torch.float32, 35)
 
 
 @needs_kernels
@@ -72,6 +75,13 @@ def test_the_gradient_has_the_same_bits_on_every_run():
     dy = torch.randn(2, 64, 48, dtype=torch.bfloat16)
     first = embedding_bwd_kernels(DirectLaunch(), dy, ids, 97, -1)
     assert torch.equal(first, embedding_bwd_kernels(DirectLaunch(), dy, ids, 97, -1))
+
+
+@needs_kernels
+def test_no_tokens_give_a_zero_gradient():
+    weight = torch.randn(10, 4, requires_grad=True)
+    embedding(torch.empty(0, 3, dtype=torch.long), weight).sum().backward()
+    assert weight.grad is not None and not weight.grad.any()
 
 
 def test_bad_input_is_refused():
