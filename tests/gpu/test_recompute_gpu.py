@@ -3,7 +3,8 @@
 CPU) and in eager (``models.apply(recompute_norms=..., recompute_glu=...)``'s saved-tensor hooks). A patched Llama-shaped
 model saves exactly the recomputed outputs less, the step's peak falls by about that much (the backward
 recomputes one output at a time, just before its projection reads it), and the gradients are those of
-the step that saves them, to the bit."""
+the step that saves them: to the bit where two runs of that step agree, elsewhere (upstream of attention's
+backward, whose dQ cuDNN accumulates with atomics) no further from it than its own run-to-run spread."""
 
 import copy
 
@@ -67,34 +68,44 @@ def _step(forward, model, ids):
 
 
 def _compiled_step(llama, norms: bool, glu: bool = False):
+    """The second step's saved bytes, peak, loss and gradients, and the first step's gradients."""
     model, ids = llama
     torch._dynamo.reset()
     options = {"fastops.route": "kernel", "fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
     with models.patched(model):
         compiled = torch.compile(model, backend="fastops_inductor", options=options)
-        _step(compiled, model, ids)  # compiles
-        return _step(compiled, model, ids)
+        *_, first_grads = _step(compiled, model, ids)  # compiles
+        return (*_step(compiled, model, ids), first_grads)
+
+
+def _assert_same_gradients(grads, kept, kept_again):
+    """``grads`` no further from ``kept`` than a second run of the kept step is (so equal to the bit where
+    that step is deterministic)."""
+    for name, grad in grads.items():
+        spread = (kept_again[name].float() - kept[name].float()).abs().max()
+        assert (grad.float() - kept[name].float()).abs().max() <= 2 * spread, (name, spread)
 
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_compiled_outputs_are_recomputed_not_saved(llama, glu):
-    kept_bytes, kept_peak, kept_loss, kept_grads = _compiled_step(llama, norms=False)
-    saved_bytes, peak, loss, grads = _compiled_step(llama, norms=True, glu=glu)
+    kept_bytes, kept_peak, kept_loss, kept_grads, kept_again = _compiled_step(llama, norms=False)
+    saved_bytes, peak, loss, grads, _ = _compiled_step(llama, norms=True, glu=glu)
     recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_bytes - saved_bytes == recomputed
     assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
-    for name, grad in grads.items():
-        assert torch.equal(grad, kept_grads[name]), name
+    _assert_same_gradients(grads, kept_grads, kept_again)
 
 
 def _eager_peak(llama, recompute: bool, glu: bool = False):
-    """Peak, loss and gradients of an eager step (our saved-tensor hooks are off under the bytes-counting
-    ones, so the peak is measured without them)."""
+    """Peak, loss and gradients of an eager step, and the gradients of the step before it (our saved-tensor
+    hooks are off under the bytes-counting ones, so the peak is measured without them)."""
     reference, ids = llama
     model = copy.deepcopy(reference)
+    grads: dict[str, torch.Tensor] = {}
     with models.patched(model, recompute_norms=recompute, recompute_glu=glu):
         for _ in range(2):  # the first launches tune our kernels
+            first_grads = grads
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
@@ -102,16 +113,15 @@ def _eager_peak(llama, recompute: bool, glu: bool = False):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             torch.cuda.synchronize()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        return torch.cuda.max_memory_allocated() - start, loss.detach(), grads
+            grads = {name: p.grad for name, p in model.named_parameters()}
+        return torch.cuda.max_memory_allocated() - start, loss.detach(), grads, first_grads
 
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_eager_outputs_are_recomputed_not_saved(llama, glu):
-    kept_peak, kept_loss, kept_grads = _eager_peak(llama, recompute=False)
-    peak, loss, grads = _eager_peak(llama, recompute=True, glu=glu)
+    kept_peak, kept_loss, kept_grads, kept_again = _eager_peak(llama, recompute=False)
+    peak, loss, grads, _ = _eager_peak(llama, recompute=True, glu=glu)
     recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
-    for name, grad in grads.items():
-        assert torch.equal(grad, kept_grads[name]), name
+    _assert_same_gradients(grads, kept_grads, kept_again)
