@@ -43,8 +43,8 @@ def embedding_bwd_math(dy: Tensor, token_ids: Tensor, num_weights: int, padding_
 
 @torch.library.custom_op("fastops::embedding_dense_backward_aten", mutates_args=())
 def embedding_dense_backward_aten(dy: Tensor, token_ids: Tensor, num_weights: int, padding_idx: int) -> Tensor:
-    """Aten's dense backward behind an op Inductor does not decompose (a compiled graph calls aten's kernel)."""
-    return torch.ops.aten.embedding_dense_backward(dy, token_ids, num_weights, padding_idx, False)
+    """:func:`embedding_bwd_math` behind an op Inductor does not decompose (a compiled graph calls aten's kernel)."""
+    return embedding_bwd_math(dy, token_ids, num_weights, padding_idx)
 
 
 @embedding_dense_backward_aten.register_fake

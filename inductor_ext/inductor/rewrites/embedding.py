@@ -1,5 +1,5 @@
-"""Rewrite of ``F.embedding`` (HF's ``nn.Embedding``) into the embedding op, whose backward writes the weight
-gradient in one pass (:mod:`inductor_ext.ops.embedding`)."""
+"""Rewrite of ``F.embedding`` (HF's ``nn.Embedding``) into the embedding op, whose backward route is aten's
+sort-based kernel or Inductor's decomposition, chosen by route timing (:mod:`inductor_ext.ops.embedding`)."""
 
 import inspect
 
