@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench optimizer [--model llama-3.2-1b] [--out DIR]``: one AdamW step over a
+"""``python -m inductor_ext.bench optimizer [--models llama-3.2-1b ...] [--out DIR]``: one AdamW step over a
 model's parameters against its bandwidth floor, as PyTorch offers it: ``fused=True`` (one
 ``multi_tensor_apply`` kernel per chunk of tensors, what ``bench train`` steps with), ``foreach=True``,
 and the ``foreach`` step compiled by Inductor (``torch.compile(optimizer.step)``, the ``*_compiled_adamw``
