@@ -4,8 +4,10 @@ CPU) and in eager (``models.apply(recompute_norms=..., recompute_glu=...)``'s sa
 model saves exactly the recomputed outputs less, the step's peak falls by about that much (the backward
 recomputes one output at a time, just before its projection reads it), the loss is that of the step that
 saves them to the bit, and the gradients are its gradients up to the bits that vary between two runs of one
-step on CUDA (measured: two runs of the saving step differ by up to 2e-6 in a layer's gate-projection
-gradient); an output recomputed wrongly would be off by far more."""
+step on CUDA. That spread is measured in each test (two runs of the saving step): on the H200 it reaches 0.4%
+norm-wise in the first layer's gradients of this random-weight model, so a fixed tolerance is a coin flip;
+the recomputing step must stay within a few times the measured spread, and an output recomputed wrongly would
+be off by far more."""
 
 import copy
 
@@ -29,8 +31,10 @@ PEAK_SHARE = 0.7
 the forward, those of every layer but the last (3 in 4) if it peaks in the last layer's backward."""
 GLU_OUTPUTS = LAYERS * TOKENS * 4 * H * 2
 """The GLU's output (bf16), one a layer."""
-GRAD_TOLERANCE = 2**-8
-"""bf16's relative resolution: run-to-run differences sit far below it, a wrongly recomputed output far above."""
+SPREAD_FACTOR, SPREAD_FLOOR = 4, 2**-9
+"""The recomputing step's gradients are within ``SPREAD_FACTOR`` times the saving step's own run-to-run spread
+(the largest norm-wise difference over the parameters), that spread taken as at least ``SPREAD_FLOOR``
+(half bf16's relative resolution) so that two runs that happen to agree do not demand bit-equality."""
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +53,19 @@ def llama():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
     return model, torch.randint(0, 32000, (BATCH, SEQ), device="cuda")
+
+
+def _spread(grads: dict, reference: dict) -> float:
+    """The largest norm-wise relative difference between two steps' gradients, over the parameters."""
+    return max(rel_err(grad, reference[name]) for name, grad in grads.items())
+
+
+def _assert_within_spread(grads: dict, kept: dict, kept_again: dict) -> None:
+    spread = max(_spread(kept_again, kept), SPREAD_FLOOR)
+    worst = max(grads, key=lambda name: rel_err(grads[name], kept[name]))
+    error = rel_err(grads[worst], kept[worst])
+    print(f"largest gradient difference {error:.2e} ({worst}); the saving step's own spread {spread:.2e}")
+    assert error <= SPREAD_FACTOR * spread, (worst, spread)
 
 
 def _step(forward, model, ids):
@@ -78,28 +95,29 @@ def _compiled_step(llama, norms: bool, glu: bool = False):
     with models.patched(model):
         compiled = torch.compile(model, backend="fastops_inductor", options=options)
         _step(compiled, model, ids)  # compiles
-        return _step(compiled, model, ids)
+        saved_bytes, peak, loss, grads = _step(compiled, model, ids)
+        return saved_bytes, peak, loss, grads, _step(compiled, model, ids)[3]
 
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_compiled_outputs_are_recomputed_not_saved(llama, glu):
-    kept_bytes, kept_peak, kept_loss, kept_grads = _compiled_step(llama, norms=False)
-    saved_bytes, peak, loss, grads = _compiled_step(llama, norms=True, glu=glu)
+    kept_bytes, kept_peak, kept_loss, kept_grads, kept_again = _compiled_step(llama, norms=False)
+    saved_bytes, peak, loss, grads, _ = _compiled_step(llama, norms=True, glu=glu)
     recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_bytes - saved_bytes == recomputed
     assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
-    for name, grad in grads.items():
-        assert rel_err(grad, kept_grads[name]) < GRAD_TOLERANCE, name
+    _assert_within_spread(grads, kept_grads, kept_again)
 
 
 def _eager_peak(llama, recompute: bool, glu: bool = False):
-    """Peak, loss and gradients of an eager step (our saved-tensor hooks are off under the bytes-counting
-    ones, so the peak is measured without them)."""
+    """Peak, loss and gradients of an eager step, and the gradients of the same step run again (our
+    saved-tensor hooks are off under the bytes-counting ones, so the peak is measured without them)."""
     reference, ids = llama
     model = copy.deepcopy(reference)
     with models.patched(model, recompute_norms=recompute, recompute_glu=glu):
-        for _ in range(2):  # the first launches tune our kernels
+        steps = []
+        for _ in range(3):  # the first launches tune our kernels
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
@@ -107,16 +125,17 @@ def _eager_peak(llama, recompute: bool, glu: bool = False):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             torch.cuda.synchronize()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        return torch.cuda.max_memory_allocated() - start, loss.detach(), grads
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            steps.append((torch.cuda.max_memory_allocated() - start, loss.detach(), grads))
+        (peak, loss, grads), again = steps[1], steps[2]
+        return peak, loss, grads, again[2]
 
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_eager_outputs_are_recomputed_not_saved(llama, glu):
-    kept_peak, kept_loss, kept_grads = _eager_peak(llama, recompute=False)
-    peak, loss, grads = _eager_peak(llama, recompute=True, glu=glu)
+    kept_peak, kept_loss, kept_grads, kept_again = _eager_peak(llama, recompute=False)
+    peak, loss, grads, _ = _eager_peak(llama, recompute=True, glu=glu)
     recomputed = NORM_OUTPUTS + (GLU_OUTPUTS if glu else 0)
     assert kept_peak - peak >= PEAK_SHARE * recomputed, (kept_peak, peak, recomputed)
     assert torch.equal(loss, kept_loss)
-    for name, grad in grads.items():
-        assert rel_err(grad, kept_grads[name]) < GRAD_TOLERANCE, name
+    _assert_within_spread(grads, kept_grads, kept_again)
