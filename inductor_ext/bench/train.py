@@ -138,6 +138,8 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
     "fastops_inductor_save_norms": {"backend": "fastops_inductor", "options": {"fastops.recompute_norms": False}},
     "fastops_inductor_zero_output_grads": {"backend": "fastops_inductor",
                                            "options": {"fastops.lazy_linear_outputs": False}},
+    "fastops_inductor_fused_projections": {"backend": "fastops_inductor",
+                                           "options": {"fastops.fuse_projections": True}},
     "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
     "fastops_inductor_compiled_adamw": {"backend": "fastops_inductor"},
     "liger_eager": None,
@@ -212,7 +214,8 @@ the backward reads the saved norm outputs instead of recomputing them
 ``fastops.recompute_glu`` on (``patched_eager_recompute_glu``: ``models.apply(recompute_glu=True)``): the
 GLU's output recomputed in the backward too; ``*_zero_output_grads`` with ``fastops.lazy_linear_outputs``
 off: the compiled backward takes zeros for the returned, undifferentiated logits
-(:mod:`inductor_ext.inductor.lazy_outputs`)."""
+(:mod:`inductor_ext.inductor.lazy_outputs`); ``*_fused_projections`` with ``fastops.fuse_projections``
+on: GQA's q/k/v run as one product (:mod:`inductor_ext.inductor.sibling_projections`)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",

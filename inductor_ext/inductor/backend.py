@@ -4,7 +4,9 @@ Six steps on the graph Dynamo hands over, then Inductor:
 
 0. call SDPA with ``is_causal=True`` where its mask is proven causal (:mod:`.causal_mask`), and
    block-sparse document attention where it is proven the packed-document mask (:mod:`.document_mask`);
-1. rewrite common spellings into fastops ops (:mod:`.rewrites`);
+1. rewrite common spellings into fastops ops (:mod:`.rewrites`), and compute sibling projections of
+   one input (grouped-query attention's q/k/v) as one matrix product (:mod:`.sibling_projections`, an
+   option, off by default);
 2. mark the norm (and, as an option, GLU) outputs that feed matrix products for recomputation in
    the backward (:mod:`.recompute`), and return widening linear outputs the graph also reads (HF's
    logits) detached, to be differentiated outside the compiled graph only when used (:mod:`.lazy_outputs`);
@@ -36,6 +38,7 @@ from inductor_ext.inductor.lazy_outputs import defer_linear_output_grads, with_l
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.recompute import GLU_FORWARDS, NORM_FORWARDS, mark_recompute
 from inductor_ext.inductor.rewrites import apply_rewrites
+from inductor_ext.inductor.sibling_projections import fuse_sibling_projections
 from inductor_ext.ops._library import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 
@@ -66,6 +69,8 @@ def fastops_inductor(
         rewrite_document_masks(gm)
     if ours.patterns:
         apply_rewrites(gm)
+    if ours.fuse_projections:
+        fuse_sibling_projections(gm)
     recomputed = (NORM_FORWARDS if ours.recompute_norms else ()) + (GLU_FORWARDS if ours.recompute_glu else ())
     if recomputed:
         mark_recompute(gm, recomputed)

@@ -1,0 +1,131 @@
+"""``fastops.fuse_projections`` on CPU: which sibling ``linear`` calls become one product (a group with a
+product narrower than its input, GQA's q/k/v; not gate/up or equal-width q/k/v), that the rewritten graph
+gives the separate products' outputs and gradients, that the concatenated weights are recomputed in the
+backward rather than saved, and that a Llama under the backend trains as before."""
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.inductor.options import parse_options
+from inductor_ext.inductor.sibling_projections import LINEARS, fuse_sibling_projections
+
+H = 64
+
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
+
+
+def test_option_defaults_off_and_is_set_by_option_or_environment():
+    assert parse_options(None, env={})[0].fuse_projections is False
+    assert parse_options({"fastops.fuse_projections": True}, env={})[0].fuse_projections is True
+    assert parse_options(None, env={"INDUCTOR_EXT_FUSE_PROJECTIONS": "1"})[0].fuse_projections is True
+
+
+class Siblings(nn.Module):
+    """Linear groups of one input each: ``widths`` gives the output widths, ``bias`` which of them have one."""
+
+    def __init__(self, widths: tuple[int, ...], bias: tuple[bool, ...] | None = None) -> None:
+        super().__init__()
+        bias = bias or (False,) * len(widths)
+        self.projections = nn.ModuleList(nn.Linear(H, width, bias=b) for width, b in zip(widths, bias, strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        return torch.cat([p(y).view(*y.shape[:-1], -1, 16).mul(i + 1) for i, p in enumerate(self.projections)], -2)
+
+
+def _rewritten(module: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Groups fused and linear calls left in ``module``'s Dynamo graph, and the rewritten graph's output
+    (run eagerly, so the comparison is of the rewrite alone)."""
+    seen: list[tuple[int, int]] = []
+
+    def backend(gm, example_inputs):
+        fused = fuse_sibling_projections(gm)
+        seen.append((fused, sum(1 for node in gm.graph.nodes if node.target in LINEARS)))
+        return gm.forward
+
+    out = torch.compile(module, backend=backend, fullgraph=True)(x)
+    (fused, linears), = seen  # fmt: skip
+    return fused, linears, out
+
+
+@pytest.mark.parametrize(
+    ("widths", "bias", "fused"),
+    [
+        ((64, 32, 32), None, True),  # GQA q/k/v
+        ((64, 32, 32), (True, True, True), True),  # Qwen2's q/k/v biases
+        ((128, 128), None, False),  # gate/up: as wide as each other and wider than the input (measured 0.96x)
+        ((64, 64, 64), None, False),  # multi-head q/k/v
+        ((64, 32, 32), (True, False, True), False),  # biases on some only
+    ],
+    ids=["gqa", "gqa_bias", "gate_up", "mha", "mixed_bias"],
+)
+def test_which_groups_are_fused_and_their_values_and_gradients(widths, bias, fused):
+    torch.manual_seed(0)
+    module = Siblings(widths, bias)
+    x = torch.randn(2, 8, H, dtype=torch.float64, requires_grad=True)
+    module.double()
+    groups, linears, out = _rewritten(module, x)
+    assert (groups, linears) == ((1, 1) if fused else (0, len(widths)))
+    out.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    ref = module(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for grad, grad_ref in zip(grads, [x.grad, *(p.grad for p in module.parameters())], strict=True):
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_siblings_of_different_inputs_are_not_fused():
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x.cos())
+
+    assert _rewritten(TwoInputs(), torch.randn(4, H))[:2] == (0, 2)
+
+
+def _llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _compiled_step(model, ids, fuse: bool):
+    """Loss, gradients and the bytes of the tensors saved for the backward that are not parameters, of a
+    compiled step after the compiling one."""
+    compiled = torch.compile(model, backend="fastops_inductor", options={"fastops.fuse_projections": fuse})
+    compiled(input_ids=ids, labels=ids)  # compiles (saved-tensor hooks would see fake tensors)
+    model.zero_grad(set_to_none=True)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    kept = sum(t.numel() * t.element_size() for t in saved if t.untyped_storage().data_ptr() not in parameters)
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, kept
+
+
+def test_llama_under_the_backend_trains_as_with_separate_projections():
+    model = _llama()
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss, grads, kept = _compiled_step(model, ids, fuse=True)
+    torch._dynamo.reset()
+    loss_ref, grads_ref, kept_ref = _compiled_step(model, ids, fuse=False)
+    assert kept == kept_ref  # the concatenated weights are recomputed in the backward, not saved
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_ref[name], rtol=1e-5, atol=1e-5 * grads_ref[name].abs().max().item())
+    q, k = (grads[f"model.layers.0.self_attn.{name}.weight"] for name in ("q_proj", "k_proj"))
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # views of one buffer
+    assert q.shape == (H, H) and k.shape == (H // 2, H) and k.is_contiguous()
