@@ -25,8 +25,9 @@ step at the 1B shape. The option stays off until a whole training step on the GP
 (``bench train --providers fastops_inductor fastops_inductor_fused_projections``).
 
 A group is two or more ``linear`` calls on the same input node whose weights (and biases, on all or none)
-are graph inputs of one dtype and device, 2-D weights of one input width; the fused product is placed
-before the group's first call. The outputs are the same products computed as one GEMM over a wider
+are graph inputs of one dtype and device, 2-D weights of one input width, all trainable or all frozen
+(LoRA's frozen base q/k/v form one group, its trainable ``A`` matrices of the same input another); the
+fused product is placed before the group's first call. The outputs are the same products computed as one GEMM over a wider
 matrix, so they may differ from the separate ones in the last bits (the BLAS may block the reduction
 differently); the weights' gradients are views into one buffer (``p.grad`` of the group's weights share
 storage, each with its parameter's shape and strides).
@@ -53,13 +54,15 @@ Call = tuple[Node, Node, Node | None]
 def fuse_sibling_projections(gm: GraphModule) -> int:
     """Rewrite ``gm`` (a Dynamo graph) as the module docstring says; returns the number of groups fused."""
     graph = gm.graph
-    groups: dict[Node, list[Call]] = defaultdict(list)
+    groups: dict[tuple[Node, tuple[object, ...]], list[Call]] = defaultdict(list)
     for node in graph.nodes:
         parts = _linear_parts(node)
         if parts is not None:
             x, weight, bias = parts
-            groups[x].append((node, weight, bias))
-    fused = [(x, group) for x, group in groups.items() if _fusable(group)]
+            kind = _kind(weight, bias)
+            if kind is not None:
+                groups[x, kind].append((node, weight, bias))
+    fused = [(x, group) for (x, _), group in groups.items() if _fusable(group)]
     for x, group in fused:
         _fuse(graph, x, group)
     if fused:
@@ -84,20 +87,26 @@ def _is_input(node: object) -> TypeGuard[Node]:
     return isinstance(node, Node) and node.op == "placeholder" and isinstance(value(node), torch.Tensor)
 
 
+def _kind(weight: Node, bias: Node | None) -> tuple[object, ...] | None:
+    """What the calls of one group share besides their input: a 2-D weight's input width, dtype, device and
+    ``requires_grad`` (a frozen weight fused with trainable ones would get its gradient computed and
+    dropped: LoRA's frozen base projections beside its trainable adapters) and the bias's presence and
+    ``requires_grad``; None for a weight or bias of another shape or dtype."""
+    w = value(weight)
+    b = None if bias is None else value(bias)
+    if w.dim() != 2 or (b is not None and (b.dim() != 1 or b.dtype != w.dtype or b.device != w.device)):
+        return None
+    return w.shape[1], w.dtype, w.device, w.requires_grad, None if b is None else b.requires_grad
+
+
 def _fusable(group: list[Call]) -> bool:
-    """Whether the group is fused (see the module docstring)."""
-    if len(group) < 2 or len({weight for _, weight, _ in group}) < len(group):
-        return False
+    """Whether a group of one input and one kind is fused: two or more distinct weights, one of them with
+    fewer outputs than inputs (see the module docstring)."""
     weights = [value(weight) for _, weight, _ in group]
-    biases = [value(bias) for _, _, bias in group if bias is not None]
-    first = weights[0]
-    if biases and len(biases) != len(group):
-        return False
     return (
-        all(w.dim() == 2 and w.shape[1] == first.shape[1] for w in weights)
-        and all(b.dim() == 1 for b in biases)
-        and all(t.dtype == first.dtype and t.device == first.device for t in weights + biases)
-        and min(w.shape[0] for w in weights) < first.shape[1]
+        len(group) >= 2
+        and len({weight for _, weight, _ in group}) == len(group)
+        and min(w.shape[0] for w in weights) < weights[0].shape[1]
     )
 
 

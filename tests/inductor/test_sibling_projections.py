@@ -24,16 +24,19 @@ def test_option_defaults_off_and_is_set_by_option_or_environment():
 
 
 class Siblings(nn.Module):
-    """Linear groups of one input each: ``widths`` gives the output widths, ``bias`` which of them have one."""
+    """Linear layers of one input: ``widths`` gives their output widths, ``bias`` which have one, ``frozen``
+    which are frozen."""
 
-    def __init__(self, widths: tuple[int, ...], bias: tuple[bool, ...] | None = None) -> None:
+    def __init__(self, widths: tuple[int, ...], bias: tuple[bool, ...] = (), frozen: tuple[bool, ...] = ()) -> None:
         super().__init__()
-        bias = bias or (False,) * len(widths)
+        bias, frozen = bias or (False,) * len(widths), frozen or (False,) * len(widths)
         self.projections = nn.ModuleList(nn.Linear(H, width, bias=b) for width, b in zip(widths, bias, strict=True))
+        for projection, f in zip(self.projections, frozen, strict=True):
+            projection.requires_grad_(not f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.sin()
-        return torch.cat([p(y).view(*y.shape[:-1], -1, 16).mul(i + 1) for i, p in enumerate(self.projections)], -2)
+        return torch.cat([p(y).view(*y.shape[:-1], -1, 8).mul(i + 1) for i, p in enumerate(self.projections)], -2)
 
 
 def _rewritten(module: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
@@ -52,23 +55,25 @@ def _rewritten(module: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tens
 
 
 @pytest.mark.parametrize(
-    ("widths", "bias", "fused"),
+    ("widths", "bias", "frozen", "groups", "linears"),
     [
-        ((64, 32, 32), None, True),  # GQA q/k/v
-        ((64, 32, 32), (True, True, True), True),  # Qwen2's q/k/v biases
-        ((128, 128), None, False),  # gate/up: as wide as each other and wider than the input (measured 0.96x)
-        ((64, 64, 64), None, False),  # multi-head q/k/v
-        ((64, 32, 32), (True, False, True), False),  # biases on some only
+        ((64, 32, 32), (), (), 1, 1),  # GQA q/k/v
+        ((64, 32, 32), (True, True, True), (), 1, 1),  # Qwen2's q/k/v biases
+        ((128, 128), (), (), 0, 2),  # gate/up: as wide as each other and wider than the input (measured 0.96x)
+        ((64, 64, 64), (), (), 0, 3),  # multi-head q/k/v
+        ((64, 32, 32), (True, False, True), (), 1, 2),  # q and v (with biases) as one product, k alone
+        # LoRA: frozen base q/k/v as one product, the trainable A matrices as another (no frozen weight's
+        # gradient computed)
+        ((64, 32, 32, 8, 8, 8), (), (True, True, True, False, False, False), 2, 2),
     ],
-    ids=["gqa", "gqa_bias", "gate_up", "mha", "mixed_bias"],
+    ids=["gqa", "gqa_bias", "gate_up", "mha", "mixed_bias", "lora"],
 )
-def test_which_groups_are_fused_and_their_values_and_gradients(widths, bias, fused):
+def test_which_groups_are_fused_and_their_values_and_gradients(widths, bias, frozen, groups, linears):
     torch.manual_seed(0)
-    module = Siblings(widths, bias)
+    module = Siblings(widths, bias, frozen).double()
     x = torch.randn(2, 8, H, dtype=torch.float64, requires_grad=True)
-    module.double()
-    groups, linears, out = _rewritten(module, x)
-    assert (groups, linears) == ((1, 1) if fused else (0, len(widths)))
+    fused, left, out = _rewritten(module, x)
+    assert (fused, left) == (groups, linears)
     out.square().sum().backward()
     grads = [x.grad, *(p.grad for p in module.parameters())]
     x.grad = None
@@ -77,7 +82,9 @@ def test_which_groups_are_fused_and_their_values_and_gradients(widths, bias, fus
     ref.square().sum().backward()
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for grad, grad_ref in zip(grads, [x.grad, *(p.grad for p in module.parameters())], strict=True):
-        torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+        assert (grad is None) == (grad_ref is None)
+        if grad is not None:
+            torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
 
 
 def test_siblings_of_different_inputs_are_not_fused():
