@@ -3,6 +3,7 @@ process (on a GPU the same command measures the real model shapes; see docs/benc
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -50,6 +51,34 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
     assert all(r["tokens_per_s"] > 0 and r["first_step_s"] > 0 for r in results.values())
     assert all(r["tokens_per_s_unsynced"] > 0 and r["step_ms_unsynced"] > 0 for r in results.values())
     assert "fastops_inductor" in stdout and "x torch.compile" in stdout
+
+
+def test_rounds_reverse_the_order_and_pool_every_rounds_steps(tmp_path):
+    results, stdout = run_tiny_bench(tmp_path, "hf_eager", "patched_eager", flags=("--rounds", "2"))
+    # round 1 in the given order, round 2 reversed
+    assert [r["position"] for r in results["hf_eager"]["rounds"]] == [0, 1]
+    assert [r["position"] for r in results["patched_eager"]["rounds"]] == [1, 0]
+    assert "hf_eager (round 2)" in stdout
+    for result in results.values():
+        assert len(result["step_ms"]) == 4  # 2 timed steps a round
+        assert result["step_ms_median"] == statistics.median(result["step_ms"])
+        assert len(result["losses"]) == 5  # the first round's: a later round trains the same weights again
+
+
+def test_pooled_rounds_take_the_median_of_every_step_and_the_highest_peak():
+    def run(position, steps, peak, clock):
+        median = statistics.median(steps)
+        return {"position": position, "ranks": 1, "step_ms": steps, "step_ms_median": median,
+                "tokens_per_s": 8192 / median * 1e3, "step_ms_unsynced": median, "peak_gib": peak,
+                "timed_steps_gpu": {"sm_clock_mhz": clock, "power_w": 600.0}, "losses": [1.0]}  # fmt: skip
+
+    pooled = train.pool_rounds([run(0, [100.0, 102.0], 20.0, 1700.0), run(1, [110.0, 112.0], 20.5, 1600.0)])
+    assert pooled["step_ms_median"] == 106.0 and pooled["tokens_per_s"] == pytest.approx(8192 / 0.106)
+    assert pooled["peak_gib"] == 20.5 and pooled["timed_steps_gpu"]["sm_clock_mhz"] == 1650.0
+    assert pooled["step_ms_unsynced"] == 106.0
+    assert [r["step_ms_median"] for r in pooled["rounds"]] == [101.0, 111.0]
+    assert "position" not in pooled
+    assert train.pool_rounds([run(0, [100.0], 20.0, 1700.0)])["tokens_per_s"] == pytest.approx(81920)
 
 
 def test_compile_arguments_resolve_the_guard_filter_and_leave_the_registry_alone():
@@ -133,6 +162,7 @@ def test_loss_chunk_size_reaches_the_patched_loss(tmp_path, monkeypatch):
     ("argv", "message"),
     [
         (["--steps", "0"], "must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
         (["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1"),
         (["--providers", "nope"], "invalid choice"),
         (["--model", "gpt-17"], "invalid choice"),
@@ -419,6 +449,7 @@ def test_merge_refuses_a_file_of_other_settings(tmp_path):
         (["--packed", "--providers", "hf_eager"], "--packed runs only"),
         (["--providers", "hf_eager_packed"], "only with --packed"),
         (["--packed", "--padded-batch", "0"], "--padded-batch must be >= 1"),
+        (["--packed", "--rounds", "2"], "not with --packed"),
     ],
 )
 def test_packed_arguments_are_checked(argv, message, capsys):

@@ -12,6 +12,10 @@ optimizer, everything else) with the largest "everything else" kernels, and the 
 time a step (idle in launch gaps of up to 5 us and in longer waits for the host) and each phase's peak
 memory (forward, backward, optimizer) over the profiled steps. Writes
 ``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
+``--rounds N`` runs every provider N times, the order reversed each round, and pools the timed steps
+(:func:`pool_rounds`): the H200 slows as it heats over a run (the same provider's timed steps ran at
+1794 MHz first in one invocation and 1594 MHz second in another), so with one round the providers run
+later are timed at a lower clock; reversing the order puts each provider early once and late once.
 ``--kernel-table`` adds a profiled step that gives each kernel Inductor launches its bytes, GB/s
 and percent of the measured copy bandwidth (:mod:`inductor_ext.bench.kernel_table`), printed per
 provider as a GitHub table and stored as ``kernel_table`` in the JSON.
@@ -73,6 +77,7 @@ prove causal unless ``fastops.assume_no_padding`` is set (provider
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import statistics
@@ -627,6 +632,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (the benchmark), or cpu: a smoke run (e.g. --model tiny-llama), timings meaningless")  # fmt: skip
     p.add_argument("--worker", choices=sorted(PROVIDERS), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every provider this many times, the order reversed each round (the given order, then "
+        "reversed, ...), and pool the timed steps: the H200 slows as it heats over a run, so a provider run "
+        "later than another is timed at a lower SM clock",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
     p.add_argument("--merge", action="store_true",
                    help="add to the configuration's JSON in --out (same settings and machine), replacing the rows "
@@ -635,8 +648,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if min(args.batch, args.seq, args.steps, args.nproc) < 1 or min(args.warmup, args.profile_steps) < 0:
-        return "--batch, --seq, --steps and --nproc must be >= 1; --warmup and --profile-steps >= 0"
+    if min(args.batch, args.seq, args.steps, args.nproc, args.rounds) < 1 or min(args.warmup, args.profile_steps) < 0:
+        return "--batch, --seq, --steps, --nproc and --rounds must be >= 1; --warmup and --profile-steps >= 0"
     if args.kernel_table and not args.profile_steps:
         return "--kernel-table needs --profile-steps >= 1 (the kernels' times)"
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
@@ -645,6 +658,8 @@ def _check(args: argparse.Namespace) -> str | None:
     if args.packed:
         if args.lora or args.qlora or args.cpp_wrapper or args.nproc > 1 or args.attention_mask != "none":
             return "--packed runs alone: not with --lora, --qlora, --cpp-wrapper, --nproc > 1 or --attention-mask ones"
+        if args.rounds > 1:
+            return "--rounds > 1 pools plain tokens/s: not with --packed (its speeds count real tokens)"
         if args.padded_batch < 1:
             return "--padded-batch must be >= 1"
         if args.providers is not None and len(packed) < len(args.providers):
@@ -757,6 +772,11 @@ def summarize(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
         row["GPU idle: host waits ms"] = round(idle["host_waits"], 1) if idle else None
         row["tune s"] = round(r["tune_s"], 1) if r.get("tune_s") is not None else None
         row["SM MHz"] = round(r["timed_steps_gpu"]["sm_clock_mhz"]) if r.get("timed_steps_gpu") else None
+        runs = r.get("rounds")  # --rounds > 1: each run's median step and clock, in the order of the rounds
+        row["wall ms by round"] = " / ".join(f"{run['step_ms_median']:.1f}" for run in runs) if runs else None
+        row["SM MHz by round"] = (
+            " / ".join(f"{run['sm_clock_mhz']:.0f}" for run in runs if run["sm_clock_mhz"]) if runs else None
+        )
         row["graph breaks"] = sum(r.get("graph_breaks", {}).values())  # absent in files written before it
         rows.append(row)
     return rows
@@ -838,22 +858,31 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results = _earlier_results(args.out / f"{stem}.json", meta) if args.merge else {}
-    for provider in args.providers:
-        if not available(provider):
-            print(f"{provider}: skipped ({required_package(provider)} is not importable)")
-            continue
-        print(f"{provider} ...", end=" ", flush=True)
-        with tempfile.TemporaryDirectory() as scratch:  # empty compile caches: the first step is a cold compile
-            result = results[provider] = run_child(_worker_command(args, provider), fresh_cache_env(scratch, scratch))
-        peak = f", {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else ""
-        speed = f"{result['tokens_per_s']:,.0f} tokens/s"
-        if "real_tokens_per_s" in result:
-            speed = f"{result['real_tokens_per_s']:,.0f} real tokens/s ({speed})"
-        print(f"{speed}{peak}, first step {result['first_step_s']:.1f} s", flush=True)
-        # written after every provider: a run stopped early keeps what it measured
-        (args.out / f"{stem}.json").write_text(
-            json.dumps({"meta": meta, "results": results, "summary": summarize(results)}, indent=1)
-        )
+    runnable = [provider for provider in args.providers if available(provider)]
+    for provider in sorted(set(args.providers) - set(runnable), key=args.providers.index):
+        print(f"{provider}: skipped ({required_package(provider)} is not importable)")
+    rounds: dict[str, list[dict[str, Any]]] = {provider: [] for provider in runnable}
+    # each provider's compile caches are empty in its first round (a cold first step) and its own after
+    with contextlib.ExitStack() as scratch_dirs:
+        scratch = {provider: scratch_dirs.enter_context(tempfile.TemporaryDirectory()) for provider in runnable}
+        for round_index in range(args.rounds):
+            order = runnable if round_index % 2 == 0 else runnable[::-1]
+            for position, provider in enumerate(order):
+                label = f" (round {round_index + 1})" if args.rounds > 1 else ""
+                print(f"{provider}{label} ...", end=" ", flush=True)
+                env = fresh_cache_env(scratch[provider], scratch[provider])
+                result = run_child(_worker_command(args, provider), env)
+                rounds[provider].append({**result, "position": position})
+                results[provider] = pool_rounds(rounds[provider])
+                peak = f", {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else ""
+                speed = f"{result['tokens_per_s']:,.0f} tokens/s"
+                if "real_tokens_per_s" in result:
+                    speed = f"{result['real_tokens_per_s']:,.0f} real tokens/s ({speed})"
+                print(f"{speed}{peak}, first step {result['first_step_s']:.1f} s", flush=True)
+                # written after every provider: a run stopped early keeps what it measured
+                (args.out / f"{stem}.json").write_text(
+                    json.dumps({"meta": meta, "results": results, "summary": summarize(results)}, indent=1)
+                )
     rows = summarize(results)
     print(tabulate(rows, headers="keys"))
     for name, r in results.items():
@@ -871,6 +900,43 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{args.model}{quantised}, {args.batch} x {args.seq} tokens{documents}{checkpointing}, bf16, AdamW"
         plot(results, args.out / f"{stem}.png", title)
     return 0
+
+
+def pool_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One provider's result over its ``--rounds`` runs: the first run's (its cold first step, profile and
+    losses) with the timed steps of every run pooled (tokens/s from their median), the unsynchronised
+    steps' mean, the highest peak, the mean SM clock and power, and each run's median step, clock and
+    position in its round's order under ``rounds``."""
+    first = {key: value for key, value in runs[0].items() if key != "position"}
+    if len(runs) == 1:
+        return first
+    tokens_per_step = first["tokens_per_s"] * first["step_ms_median"] / 1e3
+    steps = [ms for run in runs for ms in run["step_ms"]]
+    median_ms = statistics.median(steps)
+    unsynced_ms = statistics.fmean(run["step_ms_unsynced"] for run in runs)
+    clocks = [run["timed_steps_gpu"] for run in runs if run.get("timed_steps_gpu")]
+    peaks = [run["peak_gib"] for run in runs if run["peak_gib"] is not None]
+    return {
+        **first,
+        "step_ms": steps,
+        "step_ms_median": median_ms,
+        "tokens_per_s": tokens_per_step / median_ms * 1e3,
+        "tokens_per_s_per_gpu": tokens_per_step / first["ranks"] / median_ms * 1e3,
+        "step_ms_unsynced": unsynced_ms,
+        "tokens_per_s_unsynced": tokens_per_step / unsynced_ms * 1e3,
+        "peak_gib": max(peaks) if peaks else None,
+        "timed_steps_gpu": {key: statistics.fmean(c[key] for c in clocks) for key in clocks[0]} if clocks else None,
+        "rounds": [_round_summary(run) for run in runs],
+    }
+
+
+def _round_summary(run: Mapping[str, Any]) -> dict[str, Any]:
+    clock = run.get("timed_steps_gpu") or {}
+    return {
+        "position": run["position"],
+        "step_ms_median": run["step_ms_median"],
+        "sm_clock_mhz": clock.get("sm_clock_mhz"),
+    }
 
 
 def _earlier_results(path: Path, meta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
