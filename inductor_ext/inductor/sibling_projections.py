@@ -26,8 +26,9 @@ step at the 1B shape. The option stays off until a whole training step on the GP
 
 A group is two or more ``linear`` calls on the same input node whose weights (and biases, on all or none)
 are graph inputs of one dtype and device, 2-D weights of one input width, all trainable or all frozen
-(LoRA's frozen base q/k/v form one group, its trainable ``A`` matrices of the same input another); the
-fused product is placed before the group's first call. The outputs are the same products computed as one GEMM over a wider
+(LoRA's frozen base q/k/v form one group, its trainable ``A`` matrices of the same input another), with no
+autocast, grad-mode or inference-mode boundary between its first and last call (the fused product runs
+where the first call ran); the fused product is placed before the group's first call. The outputs are the same products computed as one GEMM over a wider
 matrix, so they may differ from the separate ones in the last bits (the BLAS may block the reduction
 differently); the weights' gradients are views into one buffer (``p.grad`` of the group's weights share
 storage, each with its parameter's shape and strides).
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from inductor_ext.inductor.graph_queries import is_call, value, with_value
+from inductor_ext.inductor.graph_queries import any_between, changes_global_state, is_call, value, with_value
 
 LINEARS = (torch._C._nn.linear, F.linear)
 
@@ -62,7 +63,12 @@ def fuse_sibling_projections(gm: GraphModule) -> int:
             kind = _kind(weight, bias)
             if kind is not None:
                 groups[x, kind].append((node, weight, bias))
-    fused = [(x, group) for (x, _), group in groups.items() if _fusable(group)]
+    contexts = {node for node in graph.nodes if changes_global_state(node)}
+    fused = [
+        (x, group)
+        for (x, _), group in groups.items()
+        if _fusable(group) and not any_between(group[0][0], group[-1][0], contexts)
+    ]
     for x, group in fused:
         _fuse(graph, x, group)
     if fused:

@@ -99,6 +99,33 @@ def test_siblings_of_different_inputs_are_not_fused():
     assert _rewritten(TwoInputs(), torch.randn(4, H))[:2] == (0, 2)
 
 
+class AcrossContexts(nn.Module):
+    """Two narrow projections of one input, the first under ``context``: fused, the second would run there."""
+
+    def __init__(self, context) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
+        self.context = context
+
+    def forward(self, x):
+        y = x.sin()
+        with self.context():
+            a = self.a(y)
+        return a.float(), self.b(y)
+
+
+@pytest.mark.parametrize(
+    "context",
+    [lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad],
+    ids=["autocast", "no_grad"],
+)
+def test_projections_on_either_side_of_a_context_boundary_are_not_fused(context):
+    module = AcrossContexts(context)
+    fused, linears, (_, b) = _rewritten(module, torch.randn(4, H))
+    assert (fused, linears) == (0, 2)
+    assert b.dtype == torch.float32 and b.requires_grad  # computed as written: outside the context
+
+
 def _llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
         vocab_size=1000, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
