@@ -35,8 +35,11 @@ storage, each with its parameter's shape and strides).
 """
 
 import itertools
+import operator
 from collections import defaultdict
-from typing import TypeGuard
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +72,11 @@ def fuse_sibling_projections(gm: GraphModule) -> int:
         for (x, _), group in groups.items()
         if _fusable(group) and not any_between(group[0][0], group[-1][0], contexts)
     ]
-    for x, group in fused:
-        _fuse(graph, x, group)
-    if fused:
+    done = sum(_fuse(graph, x, group) for x, group in fused)
+    if done:
         graph.lint()
         gm.recompile()
-    return len(fused)
+    return done
 
 
 def _linear_parts(node: Node) -> tuple[Node, Node, Node | None] | None:
@@ -116,9 +118,10 @@ def _fusable(group: list[Call]) -> bool:
     )
 
 
-def _fuse(graph: torch.fx.Graph, x: Node, group: list[Call]) -> None:
+def _fuse(graph: torch.fx.Graph, x: Node, group: list[Call]) -> bool:
     """One product over the concatenated weights before the group's first call; each call replaced by its
-    columns of it."""
+    columns of it. Undone (False) if a view the graph takes of a projection's output cannot be taken of its
+    columns (``y.view(-1)`` of a slice whose rows are strided)."""
     calls = [call for call, _, _ in group]
     widths = [value(weight).shape[0] for _, weight, _ in group]
     with graph.inserting_before(calls[0]):
@@ -128,10 +131,47 @@ def _fuse(graph: torch.fx.Graph, x: Node, group: list[Call]) -> None:
         if group[0][2] is not None:
             bias = with_value(graph.call_function(torch.cat, ([bias for _, _, bias in group],), {"dim": 0}))
         product = with_value(graph.call_function(torch._C._nn.linear, (x, weight, bias)))
-        product.meta["stack_trace"] = calls[0].meta.get("stack_trace")
-        for call, start, width in zip(calls, itertools.accumulate([0, *widths[:-1]]), widths, strict=True):
-            columns = with_value(graph.call_function(torch.narrow, (product, -1, start, width)))
-            columns.meta["stack_trace"] = call.meta.get("stack_trace")
-            call.replace_all_uses_with(columns)
-    for call in calls:
+        starts = itertools.accumulate([0, *widths[:-1]])
+        columns = [
+            with_value(graph.call_function(torch.narrow, (product, -1, start, width)))
+            for start, width in zip(starts, widths, strict=True)
+        ]
+    if not all(_views_accept(call, value(part)) for call, part in zip(calls, columns, strict=True)):
+        for node in [*columns, product, *([bias] if bias is not None else []), weight]:
+            graph.erase_node(node)
+        return False
+    product.meta["stack_trace"] = calls[0].meta.get("stack_trace")
+    for call, part in zip(calls, columns, strict=True):
+        part.meta["stack_trace"] = call.meta.get("stack_trace")
+        call.replace_all_uses_with(part)
         graph.erase_node(call)
+    return True
+
+
+VIEW_METHODS = ("view", "view_as", "transpose", "permute", "unsqueeze", "squeeze", "unflatten", "t", "expand", "narrow",
+                "select", "split", "chunk", "unbind")  # fmt: skip
+VIEW_FUNCTIONS = (torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.unflatten, torch.t,
+                  torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, operator.getitem)  # fmt: skip
+"""Calls whose result is a view of their first argument: a ``view`` after them sees its strides."""
+
+
+def _views_accept(call: Node, columns: torch.Tensor) -> bool:
+    """Whether every chain of views the graph takes of ``call``'s output can be taken of ``columns`` (a
+    strided slice where the output was contiguous): each view re-run on fake tensors."""
+    pending: list[tuple[Node, Any]] = [(call, columns)]
+    with columns.fake_mode:  # type: ignore[attr-defined]
+        while pending:
+            node, source = pending.pop()
+            for user in node.users:
+                if not (is_call(user, VIEW_FUNCTIONS, VIEW_METHODS) and user.args and user.args[0] is node):
+                    continue
+                args, kwargs = torch.fx.node.map_arg((user.args[1:], user.kwargs), value)
+                if user.op == "call_method":
+                    target = getattr(source, str(user.target))
+                else:
+                    target = partial(cast(Callable[..., Any], user.target), source)
+                try:
+                    pending.append((user, target(*args, **kwargs)))
+                except (RuntimeError, ValueError):  # fake tensors refuse an impossible view with a ValueError
+                    return False
+    return True

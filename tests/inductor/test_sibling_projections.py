@@ -99,6 +99,28 @@ def test_siblings_of_different_inputs_are_not_fused():
     assert _rewritten(TwoInputs(), torch.randn(4, H))[:2] == (0, 2)
 
 
+class Flattened(nn.Module):
+    """Narrow projections whose outputs are flattened with ``view``: a view their columns of one product (rows
+    strided by the product's width) cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
+
+    def forward(self, x):
+        y = x.sin()
+        return self.a(y).view(-1), self.b(y).transpose(0, 1).unsqueeze(0).view(16, -1)
+
+
+def test_projections_whose_views_their_columns_cannot_take_are_left_separate():
+    module = Flattened()
+    x = torch.randn(4, H)
+    fused, linears, out = _rewritten(module, x)
+    assert (fused, linears) == (0, 2)
+    for got, want in zip(out, module(x), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 class AcrossContexts(nn.Module):
     """Two narrow projections of one input, the first under ``context``: fused, the second would run there."""
 
