@@ -26,12 +26,12 @@ step at the 1B shape. The option stays off until a whole training step on the GP
 
 A group is two or more ``linear`` calls on the same input node whose weights (and biases, on all or none)
 are graph inputs of one dtype and device, 2-D weights of one input width, all trainable or all frozen
-(LoRA's frozen base q/k/v form one group, its trainable ``A`` matrices of the same input another), with no
-autocast, grad-mode or inference-mode boundary between its first and last call (the fused product runs
-where the first call ran); the fused product is placed before the group's first call. The outputs are the same products computed as one GEMM over a wider
-matrix, so they may differ from the separate ones in the last bits (the BLAS may block the reduction
-differently); the weights' gradients are views into one buffer (``p.grad`` of the group's weights share
-storage, each with its parameter's shape and strides).
+(LoRA's frozen base q/k/v form one group, its trainable ``A`` matrices of the same input another), with
+no autocast, grad-mode or inference-mode boundary and no in-place write between its first and last call
+(the fused product runs where the first call ran, and computes every projection there). The outputs are
+the same products computed as one GEMM over a wider matrix, so they may differ from the separate ones in
+the last bits (the BLAS may block the reduction differently); the weights' gradients are views into one
+buffer (``p.grad`` of the group's weights share storage, each with its parameter's shape and strides).
 """
 
 import itertools
@@ -46,7 +46,14 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from inductor_ext.inductor.graph_queries import any_between, changes_global_state, is_call, value, with_value
+from inductor_ext.inductor.graph_queries import (
+    any_between,
+    changes_global_state,
+    is_call,
+    mutates,
+    value,
+    with_value,
+)
 
 LINEARS = (torch._C._nn.linear, F.linear)
 
@@ -66,11 +73,11 @@ def fuse_sibling_projections(gm: GraphModule) -> int:
             kind = _kind(weight, bias)
             if kind is not None:
                 groups[x, kind].append((node, weight, bias))
-    contexts = {node for node in graph.nodes if changes_global_state(node)}
+    barriers = {node for node in graph.nodes if changes_global_state(node) or mutates(node)}
     fused = [
         (x, group)
         for (x, _), group in groups.items()
-        if _fusable(group) and not any_between(group[0][0], group[-1][0], contexts)
+        if _fusable(group) and not any_between(group[0][0], group[-1][0], barriers)
     ]
     done = sum(_fuse(graph, x, group) for x, group in fused)
     if done:

@@ -148,6 +148,26 @@ def test_projections_on_either_side_of_a_context_boundary_are_not_fused(context)
     assert b.dtype == torch.float32 and b.requires_grad  # computed as written: outside the context
 
 
+def test_projections_with_an_in_place_write_between_them_are_not_fused():
+    class WrittenBetween(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
+
+        def forward(self, x):
+            y = x.sin()
+            a = self.a(y)
+            y.mul_(2)  # b reads the doubled input
+            return a, self.b(y)
+
+    module = WrittenBetween()
+    x = torch.randn(4, H)
+    fused, linears, out = _rewritten(module, x)
+    assert (fused, linears) == (0, 2)
+    for got, want in zip(out, module(x), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def _llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
         vocab_size=1000, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
