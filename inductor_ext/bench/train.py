@@ -14,7 +14,7 @@ memory (forward, backward, optimizer) over the profiled steps. Writes
 ``train_<model>_<batch>x<seq>[_mask].json`` and a ``.png`` under ``--out`` and prints a table.
 ``--rounds N`` runs every provider N times, the order reversed each round, and pools the timed steps
 (:func:`pool_rounds`): the H200 slows as it heats over a run (the same provider's timed steps ran at
-1794 MHz first in one invocation and 1594 MHz second in another), so with one round the providers run
+1794 MHz first in one invocation and 1595 MHz second in another), so with one round the providers run
 later are timed at a lower clock; reversing the order puts each provider early once and late once.
 ``--kernel-table`` adds a profiled step that gives each kernel Inductor launches its bytes, GB/s
 and percent of the measured copy bandwidth (:mod:`inductor_ext.bench.kernel_table`), printed per
@@ -855,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
                if args.packed else {}),
             **({"qlora": qlora.quantization_meta(), "peft": _version("peft")} if args.qlora else {}),
             **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
+            **({"rounds": args.rounds} if args.rounds > 1 else {}),
             "transformers": _version("transformers"),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results = _earlier_results(args.out / f"{stem}.json", meta) if args.merge else {}
