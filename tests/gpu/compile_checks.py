@@ -5,6 +5,20 @@ import tempfile
 import torch
 
 
+def gqa_llama(hidden: int, layers: int, batch: int, seq: int, vocab: int = 32000):
+    """A seeded bf16 Llama in training mode on CUDA (16 heads, 4 key/value heads, tied embeddings, MLP 4x
+    wide) and a batch of token ids for it."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=seq, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
+    return model, torch.randint(0, vocab, (batch, seq), device="cuda")
+
+
 def lm_step(model, ids, **compile_args):
     """One causal-LM training step's output and parameter gradients (labels = ``ids``), eager or
     ``torch.compile(model, fullgraph=True, **compile_args)``."""

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-import transformers
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
+from tests.gpu.compile_checks import gqa_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -29,13 +29,7 @@ def _isolated(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(
-        hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=16,
-        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
-    return model, torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+    return gqa_llama(H, LAYERS, BATCH, SEQ, VOCAB)
 
 
 def _steps(llama, *, lazy: bool, mode: str | None = None, use_logits: bool = False):

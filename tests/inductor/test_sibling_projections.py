@@ -87,25 +87,35 @@ def test_which_groups_are_fused_and_their_values_and_gradients(widths, bias, fro
             torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
 
 
-def test_siblings_of_different_inputs_are_not_fused():
-    class TwoInputs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
-
-        def forward(self, x):
-            return self.a(x) + self.b(x.cos())
-
-    assert _rewritten(TwoInputs(), torch.randn(4, H))[:2] == (0, 2)
-
-
-class Flattened(nn.Module):
-    """Narrow projections whose outputs are flattened with ``view``: a view their columns of one product (rows
-    strided by the product's width) cannot take."""
+class Pair(nn.Module):
+    """Two narrow projections of width 16 for the cases below, each of which is left separate; their
+    ``forward`` returns what the test compares with eager."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
+
+
+def _assert_left_separate(module: Pair, x: torch.Tensor):
+    """The rewrite fuses nothing in ``module`` and its graph computes what eager does; the graph's output."""
+    fused, linears, out = _rewritten(module, x)
+    assert (fused, linears) == (0, 2)
+    for got, want in zip(out, module(x), strict=True):
+        torch.testing.assert_close(got, want)
+    return out
+
+
+def test_siblings_of_different_inputs_are_not_fused():
+    class TwoInputs(Pair):
+        def forward(self, x):
+            return self.a(x), self.b(x.cos())
+
+    _assert_left_separate(TwoInputs(), torch.randn(4, H))
+
+
+class Flattened(Pair):
+    """Narrow projections whose outputs are flattened with ``view``: a view their columns of one product (rows
+    strided by the product's width) cannot take."""
 
     def forward(self, x):
         y = x.sin()
@@ -113,20 +123,14 @@ class Flattened(nn.Module):
 
 
 def test_projections_whose_views_their_columns_cannot_take_are_left_separate():
-    module = Flattened()
-    x = torch.randn(4, H)
-    fused, linears, out = _rewritten(module, x)
-    assert (fused, linears) == (0, 2)
-    for got, want in zip(out, module(x), strict=True):
-        torch.testing.assert_close(got, want)
+    _assert_left_separate(Flattened(), torch.randn(4, H))
 
 
-class AcrossContexts(nn.Module):
+class AcrossContexts(Pair):
     """Two narrow projections of one input, the first under ``context``: fused, the second would run there."""
 
     def __init__(self, context) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
         self.context = context
 
     def forward(self, x):
@@ -142,30 +146,19 @@ class AcrossContexts(nn.Module):
     ids=["autocast", "no_grad"],
 )
 def test_projections_on_either_side_of_a_context_boundary_are_not_fused(context):
-    module = AcrossContexts(context)
-    fused, linears, (_, b) = _rewritten(module, torch.randn(4, H))
-    assert (fused, linears) == (0, 2)
+    _, b = _assert_left_separate(AcrossContexts(context), torch.randn(4, H))
     assert b.dtype == torch.float32 and b.requires_grad  # computed as written: outside the context
 
 
 def test_projections_with_an_in_place_write_between_them_are_not_fused():
-    class WrittenBetween(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(H, 16), nn.Linear(H, 16)
-
+    class WrittenBetween(Pair):
         def forward(self, x):
             y = x.sin()
             a = self.a(y)
             y.mul_(2)  # b reads the doubled input
             return a, self.b(y)
 
-    module = WrittenBetween()
-    x = torch.randn(4, H)
-    fused, linears, out = _rewritten(module, x)
-    assert (fused, linears) == (0, 2)
-    for got, want in zip(out, module(x), strict=True):
-        torch.testing.assert_close(got, want)
+    _assert_left_separate(WrittenBetween(), torch.randn(4, H))
 
 
 def _llama() -> transformers.LlamaForCausalLM:
