@@ -26,11 +26,6 @@ def _isolated(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return gqa_llama(H, LAYERS, BATCH, SEQ, VOCAB)
-
-
 def _steps(llama, *, fuse: bool):
     """Peak bytes above the start, loss, gradients and the forward's GEMM launches of the second compiled step."""
     model, ids = llama
@@ -56,7 +51,8 @@ def _is_gemm(kernel: str) -> bool:
     return any(word in kernel.lower() for word in ("gemm", "nvjet", "cutlass", "sm90_xmma"))
 
 
-def test_fused_projections_match_separate_ones(llama):
+def test_fused_projections_match_separate_ones():
+    llama = gqa_llama(H, LAYERS, BATCH, SEQ, VOCAB)
     peak, loss, grads, gemms = _steps(llama, fuse=True)
     peak_ref, loss_ref, grads_ref, gemms_ref = _steps(llama, fuse=False)
     print(f"projections: forward GEMMs {gemms_ref} -> {gemms}, peak {peak_ref / 2**30:.3f} -> {peak / 2**30:.3f} GiB")
