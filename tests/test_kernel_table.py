@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from inductor_ext.bench.harness import LAUNCH_GAP_US, Timeline, idle_gaps
-from inductor_ext.bench.kernel_table import Launches, kernel_rows, launches_from_trace, markdown
+from inductor_ext.bench.kernel_table import Launches, in_out_arguments, kernel_rows, launches_from_trace, markdown
 
 
 def test_idle_gaps_split_launch_gaps_from_host_waits_over_overlapping_streams():
@@ -49,6 +49,40 @@ def test_bytes_are_the_launch_records_tensor_arguments(tmp_path):
     # and tensor arguments
     assert found.bytes_per_launch == {"triton_red_fused_add_mean_0": 2 * 64 * 128 * 2 + 128 * 4}
     assert found.launched_by == {"a_kernel_of_another_name": "aten_like_parent 64x128 bfloat16"}
+
+
+def test_a_buffer_updated_in_place_counts_twice(tmp_path):
+    summand, other = torch.empty(64, 128, dtype=torch.bfloat16), torch.empty(64, 128, dtype=torch.bfloat16)
+    trace = _launch_trace(tmp_path, "triton_poi_fused_add_0", [summand, other, 8192])
+    tensor = 64 * 128 * 2
+    # in_out_ptr0 += in_ptr0: the first buffer read and written
+    found = launches_from_trace(trace, {"triton_poi_fused_add_0": [True, False, False]})
+    assert found.bytes_per_launch == {"triton_poi_fused_add_0": 3 * tensor}
+    # marks that do not line up with the record's arguments are not guessed at
+    found = launches_from_trace(trace, {"triton_poi_fused_add_0": [True, False]})
+    assert found.bytes_per_launch == {"triton_poi_fused_add_0": 2 * tensor}
+
+
+def test_in_out_arguments_are_read_from_the_kernels_inductor_loaded(tmp_path):
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    PyCodeCache.load(
+        "def triton_poi_fused_add_view_4(in_out_ptr0, in_ptr0, xnumel, XBLOCK : 'tl.constexpr'):\n"
+        "    pass\n"
+        "def triton_per_fused_sum_1(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : 'tl.constexpr'):\n"
+        "    pass\n"
+    )
+    # a kernel compiled in a worker process: only its autotuner, which names its source file, is here
+    source = tmp_path / "kernel.py"
+    source.write_text("def triton_poi_fused_add_7(in_out_ptr0, in_ptr0, in_ptr1, xnumel, XBLOCK : tl.constexpr):\n")
+    autotuner = CachingAutotuner.__new__(CachingAutotuner)
+    autotuner.filename = str(source)
+    found = in_out_arguments()
+    assert found["triton_poi_fused_add_view_4"] == [True, False, False]
+    assert found["triton_per_fused_sum_1"] == [False, False, False, False]
+    assert found["triton_poi_fused_add_7"] == [True, False, False, False]
+    del autotuner
 
 
 def test_rows_rate_each_kernel_against_the_copy_bandwidth_and_the_table_lists_them():

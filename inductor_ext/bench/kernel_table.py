@@ -7,7 +7,9 @@ GPU sat idle between kernels.
   lowered into its graphs) under the kernel's name with the kernel's arguments; with ``record_shapes``
   the trace holds every tensor argument's sizes and dtype, and their sum is the bytes of every buffer
   the kernel reads or writes, each counted once: its traffic if it touches each once, so GB/s against
-  the copy bandwidth (read + write bytes) is its distance from its bandwidth floor. Kernels launched
+  the copy bandwidth (read + write bytes) is its distance from its bandwidth floor. A buffer Inductor
+  updates in place (an ``in_out_ptr`` parameter of its generated kernel, e.g. a gradient accumulated
+  into one of the summands) is read and written, and counts twice (:func:`in_out_arguments`). Kernels launched
   elsewhere (cuBLAS, cuDNN, the fused optimizer, eager ops) have no bytes here; their row names the
   host op that launched them, with its tensor arguments' shapes and dtypes (``launched_by``: e.g.
   ``aten::fill_ 128256x2048 bfloat16`` says which buffer a fill kernel zeroes).
@@ -16,6 +18,7 @@ GPU sat idle between kernels.
 import dataclasses
 import json
 import math
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -52,10 +55,40 @@ def _tensor_arguments(args: Mapping[str, Any]) -> list[tuple[list[int], torch.dt
     ]
 
 
-def launches_from_trace(trace: Mapping[str, Any]) -> Launches:
+def in_out_arguments() -> dict[str, list[bool]]:
+    """For each Triton kernel Inductor generated in this process: which of its launch arguments, the
+    parameters that are not ``tl.constexpr`` in order, are ``in_out_ptr`` buffers, read and written in
+    place. Read from the kernels' source files: the modules in ``PyCodeCache`` and the files of the
+    ``CachingAutotuner`` objects alive (a kernel compiled in a worker process is loaded from its file)."""
+    import gc
+
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    paths = {
+        getattr(module, "__file__", None) for module in [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]
+    }
+    # type(), not isinstance(): the latter reads __class__, which some deprecated objects warn on
+    paths |= {obj.filename for obj in gc.get_objects() if issubclass(type(obj), CachingAutotuner)}
+    found: dict[str, list[bool]] = {}
+    for path in filter(None, paths):
+        if not Path(path).is_file():
+            continue
+        for name, parameters in _KERNEL_SIGNATURE.findall(Path(path).read_text()):
+            launched = [p.strip() for p in parameters.split(",") if p.strip() and "constexpr" not in p]
+            found[name] = [p.startswith("in_out_ptr") for p in launched]
+    return found
+
+
+_KERNEL_SIGNATURE = re.compile(r"^def (triton_\w+)\(([^)]*)\)", re.MULTILINE)
+"""The signature of an Inductor-generated Triton kernel (``def triton_poi_fused_add_0(in_out_ptr0, ...)``)."""
+
+
+def launches_from_trace(trace: Mapping[str, Any], in_out: Mapping[str, list[bool]] | None = None) -> Launches:
     """Each kernel's launches in a Chrome trace recorded with ``record_shapes``, joined to the host-side
     record that launched them by the external id: bytes for those whose record carries the kernel's own
-    name (Inductor's launch record), the launching op for the others."""
+    name (Inductor's launch record; a buffer ``in_out`` marks for the kernel counted twice, when the record
+    has as many arguments as the marks), the launching op for the others."""
     records = {}
     for event in trace.get("traceEvents", []):
         args = event.get("args", {})
@@ -79,10 +112,19 @@ def launches_from_trace(trace: Mapping[str, Any]) -> Launches:
                 )
                 launched_by[name] = f"{record['name']} {shapes}".strip()
             continue
-        tensors = _tensor_arguments(record["args"])
-        total[name] = total.get(name, 0.0) + sum(math.prod(dims) * dtype.itemsize for dims, dtype in tensors)
+        total[name] = total.get(name, 0.0) + _launch_bytes(record["args"], (in_out or {}).get(name))
         count[name] = count.get(name, 0) + 1
     return Launches({name: total[name] / count[name] for name in total}, launched_by)
+
+
+def _launch_bytes(args: Mapping[str, Any], in_out: list[bool] | None) -> float:
+    kinds = args.get("Input type", [])
+    twice = in_out if in_out is not None and len(in_out) == len(kinds) else [False] * len(kinds)
+    return sum(
+        math.prod(dims) * _TRACE_DTYPES[kind].itemsize * (2 if both else 1)
+        for dims, kind, both in zip(args["Input Dims"], kinds, twice)
+        if kind in _TRACE_DTYPES
+    )
 
 
 def profile_launches(step: Callable[[], Any]) -> Launches:
@@ -95,7 +137,7 @@ def profile_launches(step: Callable[[], Any]) -> Launches:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return launches_from_trace(json.loads(path.read_text()))
+        return launches_from_trace(json.loads(path.read_text()), in_out_arguments())
 
 
 def kernel_rows(timeline: Timeline, launches: Launches, copy_gbps: float) -> list[dict[str, Any]]:
