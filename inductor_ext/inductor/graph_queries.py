@@ -22,6 +22,8 @@ MUL = (operator.mul, torch.mul)
 """The functions a Dynamo graph multiplies with (the method is ``"mul"``)."""
 ADD = (operator.add, torch.add)
 """The functions a Dynamo graph adds with (the method is ``"add"``)."""
+LINEARS = (torch._C._nn.linear, F.linear)
+"""The functions a Dynamo graph calls for ``nn.Linear`` (``torch._C._nn.linear``) and ``F.linear``."""
 
 
 def value(node: Any) -> Any:
@@ -33,14 +35,18 @@ def value(node: Any) -> Any:
 def with_value(node: Node) -> Node:
     """Record the node's example value, as Dynamo does, by running it on the inputs' fake tensors."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+    node.meta["example_value"] = run_on_values(node, args, kwargs)
+    return node
+
+
+def run_on_values(node: Node, args: Any, kwargs: Any) -> Any:
+    """``node``'s function or method called on ``args`` and ``kwargs`` (fake tensors, or the values in their
+    place), under the fake mode of the first fake tensor among them."""
     fake_mode = next(a.fake_mode for a in torch.utils._pytree.tree_leaves(args) if hasattr(a, "fake_mode"))
     with fake_mode:
         if node.op == "call_method":
-            result = getattr(args[0], str(node.target))(*args[1:], **kwargs)
-        else:
-            result = cast(Callable[..., Any], node.target)(*args, **kwargs)
-    node.meta["example_value"] = result
-    return node
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return cast(Callable[..., Any], node.target)(*args, **kwargs)
 
 
 def is_call(node: Any, functions: tuple[Any, ...] = (), methods: tuple[str, ...] = ()) -> TypeGuard[Node]:

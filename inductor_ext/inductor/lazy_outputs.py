@@ -32,12 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from inductor_ext.inductor.graph_queries import is_call, value, with_value
-
-LINEARS = (torch._C._nn.linear, F.linear)
+from inductor_ext.inductor.graph_queries import LINEARS, is_call, value, with_value
 
 
 @dataclasses.dataclass(frozen=True)

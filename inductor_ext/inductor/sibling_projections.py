@@ -37,26 +37,22 @@ buffer (``p.grad`` of the group's weights share storage, each with its parameter
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable
-from functools import partial
-from typing import Any, TypeGuard, cast
+from typing import Any, TypeGuard
 
 import torch
-import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from inductor_ext.inductor.graph_queries import (
+    LINEARS,
     any_between,
     changes_global_state,
     is_call,
     mutates,
+    run_on_values,
     value,
     with_value,
 )
-
-LINEARS = (torch._C._nn.linear, F.linear)
-
 
 Call = tuple[Node, Node, Node | None]
 """A ``linear`` call of a group, its weight and its bias (None without one)."""
@@ -166,19 +162,14 @@ def _views_accept(call: Node, columns: torch.Tensor) -> bool:
     """Whether every chain of views the graph takes of ``call``'s output can be taken of ``columns`` (a
     strided slice where the output was contiguous): each view re-run on fake tensors."""
     pending: list[tuple[Node, Any]] = [(call, columns)]
-    with columns.fake_mode:  # type: ignore[attr-defined]
-        while pending:
-            node, source = pending.pop()
-            for user in node.users:
-                if not (is_call(user, VIEW_FUNCTIONS, VIEW_METHODS) and user.args and user.args[0] is node):
-                    continue
-                args, kwargs = torch.fx.node.map_arg((user.args[1:], user.kwargs), value)
-                if user.op == "call_method":
-                    target = getattr(source, str(user.target))
-                else:
-                    target = partial(cast(Callable[..., Any], user.target), source)
-                try:
-                    pending.append((user, target(*args, **kwargs)))
-                except (RuntimeError, ValueError):  # fake tensors refuse an impossible view with a ValueError
-                    return False
+    while pending:
+        node, source = pending.pop()
+        for user in node.users:
+            if not (is_call(user, VIEW_FUNCTIONS, VIEW_METHODS) and user.args and user.args[0] is node):
+                continue
+            rest, kwargs = torch.fx.node.map_arg((user.args[1:], user.kwargs), value)
+            try:
+                pending.append((user, run_on_values(user, (source, *rest), kwargs)))
+            except (RuntimeError, ValueError):  # fake tensors refuse an impossible view with a ValueError
+                return False
     return True

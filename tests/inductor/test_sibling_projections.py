@@ -9,8 +9,9 @@ import transformers
 from torch import nn
 
 import inductor_ext  # noqa: F401  (registers the backend)
+from inductor_ext.inductor.graph_queries import LINEARS
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.sibling_projections import LINEARS, fuse_sibling_projections
+from inductor_ext.inductor.sibling_projections import fuse_sibling_projections
 
 H = 64
 
