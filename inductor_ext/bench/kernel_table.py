@@ -47,10 +47,11 @@ class Launches:
     """Other kernels: the host op that launched the first of them, with its tensor arguments."""
 
 
-def _tensor_arguments(args: Mapping[str, Any]) -> list[tuple[list[int], torch.dtype]]:
+def _tensor_arguments(args: Mapping[str, Any]) -> list[tuple[int, list[int], torch.dtype]]:
+    """``(position among all the arguments, sizes, dtype)`` of a launch record's tensor arguments."""
     return [
-        (dims, _TRACE_DTYPES[kind])
-        for dims, kind in zip(args["Input Dims"], args.get("Input type", []))
+        (position, dims, _TRACE_DTYPES[kind])
+        for position, (dims, kind) in enumerate(zip(args["Input Dims"], args.get("Input type", [])))
         if kind in _TRACE_DTYPES
     ]
 
@@ -108,7 +109,7 @@ def launches_from_trace(trace: Mapping[str, Any], in_out: Mapping[str, list[bool
             if name not in launched_by:  # the first launch's op and arguments
                 shapes = " ".join(
                     f"{'x'.join(map(str, dims))} {str(dtype).removeprefix('torch.')}"
-                    for dims, dtype in _tensor_arguments(record["args"])
+                    for _, dims, dtype in _tensor_arguments(record["args"])
                 )
                 launched_by[name] = f"{record['name']} {shapes}".strip()
             continue
@@ -118,12 +119,10 @@ def launches_from_trace(trace: Mapping[str, Any], in_out: Mapping[str, list[bool
 
 
 def _launch_bytes(args: Mapping[str, Any], in_out: list[bool] | None) -> float:
-    kinds = args.get("Input type", [])
-    twice = in_out if in_out is not None and len(in_out) == len(kinds) else [False] * len(kinds)
+    twice = in_out if in_out is not None and len(in_out) == len(args.get("Input type", [])) else None
     return sum(
-        math.prod(dims) * _TRACE_DTYPES[kind].itemsize * (2 if both else 1)
-        for dims, kind, both in zip(args["Input Dims"], kinds, twice)
-        if kind in _TRACE_DTYPES
+        math.prod(dims) * dtype.itemsize * (2 if twice is not None and twice[position] else 1)
+        for position, dims, dtype in _tensor_arguments(args)
     )
 
 

@@ -860,8 +860,9 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}  # fmt: skip
     results = _earlier_results(args.out / f"{stem}.json", meta) if args.merge else {}
     runnable = [provider for provider in args.providers if available(provider)]
-    for provider in sorted(set(args.providers) - set(runnable), key=args.providers.index):
-        print(f"{provider}: skipped ({required_package(provider)} is not importable)")
+    for provider in args.providers:
+        if provider not in runnable:
+            print(f"{provider}: skipped ({required_package(provider)} is not importable)")
     rounds: dict[str, list[dict[str, Any]]] = {provider: [] for provider in runnable}
     # each provider's compile caches are empty in its first round (a cold first step) and its own after
     with contextlib.ExitStack() as scratch_dirs:
