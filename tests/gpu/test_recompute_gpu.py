@@ -49,15 +49,14 @@ def llama():
     return gqa_llama(H, LAYERS, BATCH, SEQ)
 
 
-def _spread(grads: dict, reference: dict) -> float:
-    """The largest norm-wise relative difference between two steps' gradients, over the parameters."""
-    return max(rel_err(grad, reference[name]) for name, grad in grads.items())
+def _largest_difference(grads: dict, reference: dict) -> tuple[float, str]:
+    """The largest norm-wise relative difference between two steps' gradients, and its parameter's name."""
+    return max((rel_err(grad, reference[name]), name) for name, grad in grads.items())
 
 
 def _assert_within_spread(grads: dict, kept: dict, kept_again: dict) -> None:
-    spread = max(_spread(kept_again, kept), SPREAD_FLOOR)
-    worst = max(grads, key=lambda name: rel_err(grads[name], kept[name]))
-    error = rel_err(grads[worst], kept[worst])
+    spread = max(_largest_difference(kept_again, kept)[0], SPREAD_FLOOR)
+    error, worst = _largest_difference(grads, kept)
     print(f"largest gradient difference {error:.2e} ({worst}); the saving step's own spread {spread:.2e}")
     assert error <= SPREAD_FACTOR * spread, (worst, spread)
 
