@@ -12,7 +12,9 @@ Six steps on the graph Dynamo hands over, then Inductor:
    logits) detached, to be differentiated outside the compiled graph only when used (:mod:`.lazy_outputs`);
 3. decide each fastops op call's route, our kernels or Inductor's code from the op's
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
-4. version the compile caches by our code, options and decisions (:mod:`.cache_key`);
+4. version the compile caches by our code, options and decisions (:mod:`.cache_key`), in a post-grad
+   pass that also computes sums of matrix products in the GEMMs' epilogues (:mod:`.product_sums`, an
+   option, off by default) and has our backward kernels write over donated inputs (:mod:`.donated_buffers`);
 5. ``compile_fx`` with our Inductor config patches (multi-kernel on by default,
    compile-time autotuning with ``cpp_wrapper``), while the op bodies trace the
    chosen routes, and with the fixes of :mod:`inductor_ext._compat` installed for the
@@ -85,7 +87,9 @@ def fastops_inductor(
         {"options": repr(ours), "decisions": sorted(repr(d) for d in planner.decisions.values())}, sort_keys=True
     )
     user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-    patches["post_grad_custom_post_pass"] = FastopsGraphPass(state, chained=user_pass)
+    patches["post_grad_custom_post_pass"] = FastopsGraphPass(
+        state, chained=user_pass, accumulate_products=ours.accumulate_products
+    )
     with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
         compiled = compile_fx(gm, example_inputs, inner_compile=compile_fx_inner_patched, config_patches=patches)
     return with_lazy_outputs(cast(Callable[..., Any], compiled), lazy)

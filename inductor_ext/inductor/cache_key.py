@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import get_donated_idxs
 
 from inductor_ext.inductor.donated_buffers import write_over_donated_inputs
+from inductor_ext.inductor.product_sums import accumulate_product_sums
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
@@ -37,13 +38,17 @@ def source_digest() -> str:
 
 
 class FastopsGraphPass(CustomGraphPass):
-    """Our post-grad pass (:mod:`.donated_buffers`), then the user's (if any); its ``uuid`` versions the caches."""
+    """Our post-grad passes (:mod:`.product_sums` where ``accumulate_products``, :mod:`.donated_buffers`),
+    then the user's (if any); its ``uuid`` versions the caches (``state`` holds the options)."""
 
-    def __init__(self, state: str, chained: Any = None) -> None:
+    def __init__(self, state: str, chained: Any = None, *, accumulate_products: bool = False) -> None:
         self.state = state
         self.chained = chained
+        self.accumulate_products = accumulate_products
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.accumulate_products:
+            accumulate_product_sums(graph)
         write_over_donated_inputs(graph, get_donated_idxs())
         if self.chained is not None:
             self.chained(graph)

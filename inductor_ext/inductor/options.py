@@ -50,6 +50,11 @@ named next to each. An explicit option beats the environment, which beats the de
     :mod:`.sibling_projections`): one product a direction instead of three and no sum of the input
     gradients, for a copy of the weights and of the output gradients. Off until a training step on the
     GPU measures it (the layer's projections alone measure 1.10x at Llama-3.2-1B's shape).
+``fastops.accumulate_products`` (``INDUCTOR_EXT_ACCUMULATE_PRODUCTS``)
+    Compute a sum of matrix products (the backward's input gradient of a tensor that feeds several linear
+    layers: q/k/v, gate/up) as one product followed by the others added in their GEMMs' epilogues, instead
+    of separate products and a pointwise sum (default false; :mod:`.product_sums`). Off until a training
+    step on the GPU measures it.
 ``cpp_wrapper`` (``INDUCTOR_EXT_CPP_WRAPPER``)
     Inductor's C++ wrapper; with it, ``triton.autotune_at_compile_time`` is forced on
     (torch 2.13 otherwise defaults it off and asserts with multi-kernel).
@@ -74,6 +79,7 @@ OPTION_NAMES = (
     "recompute_glu",
     "lazy_linear_outputs",
     "fuse_projections",
+    "accumulate_products",
 )
 """Our options, each spelled ``fastops.<name>`` in ``options``."""
 _PREFIX = "fastops."
@@ -95,6 +101,7 @@ class BackendOptions:
     recompute_glu: bool = False
     lazy_linear_outputs: bool = True
     fuse_projections: bool = False
+    accumulate_products: bool = False
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
@@ -150,10 +157,11 @@ def parse_options(
     recompute_glu = ours.get("recompute_glu", env_flag(env, "INDUCTOR_EXT_RECOMPUTE_GLU", False))
     lazy_linear_outputs = ours.get("lazy_linear_outputs", env_flag(env, "INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS", True))
     fuse_projections = ours.get("fuse_projections", env_flag(env, "INDUCTOR_EXT_FUSE_PROJECTIONS", False))
+    accumulate_products = ours.get("accumulate_products", env_flag(env, "INDUCTOR_EXT_ACCUMULATE_PRODUCTS", False))
     parsed = BackendOptions(
         default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding),
         bool(document_mask), bool(recompute_norms), bool(recompute_glu), bool(lazy_linear_outputs),
-        bool(fuse_projections),
+        bool(fuse_projections), bool(accumulate_products),
     )  # fmt: skip
     return parsed, options
 

@@ -33,6 +33,7 @@ from inductor_ext.ops.rope import (
     apply_rotary_pos_emb_ref,
 )
 from inductor_ext.ops.sharding import register as _register_sharding
+from inductor_ext.ops.sum_of_products import sum_of_products as _sum_of_products  # noqa: F401  (registers the op)
 from inductor_ext.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 
 _register_sharding()

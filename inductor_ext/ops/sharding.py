@@ -24,7 +24,8 @@ is imported. Every rule is checked against the unsharded op on a 2-rank gloo mes
   both losses on them where they are, with explicit collectives (as ``loss_parallel`` does).
 
 Everything replicated is always allowed. The in-place ops (``rope_inplace``,
-``cross_entropy_bwd_inplace``, ``accumulate_matmul_``) and the LoRA ops have no rules.
+``cross_entropy_bwd_inplace``, ``accumulate_matmul_``), the LoRA ops and ``sum_of_products`` (which only
+the backend's post-grad pass calls, on the local tensors of a traced graph) have no rules.
 """
 
 import warnings
