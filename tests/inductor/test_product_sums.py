@@ -143,11 +143,17 @@ def _llama_step(options):
     return loss.detach(), grads, counters["inductor_ext"]["sum_of_products"]
 
 
-def test_llama_backward_sums_qkv_and_gate_up_input_gradients_in_the_gemms():
-    loss, grads, rewritten = _llama_step(ON)
+@pytest.mark.parametrize(
+    ("options", "sums"),
+    [(ON, 4), ({**ON, "fastops.fuse_projections": True}, 2)],
+    ids=["separate_projections", "fused_projections"],
+)
+def test_llama_backward_sums_qkv_and_gate_up_input_gradients_in_the_gemms(options, sums):
+    """q/k/v's and gate/up's input gradients in each of 2 layers; with q/k/v as one product, gate/up's only."""
+    loss, grads, rewritten = _llama_step(options)
     torch._dynamo.reset()
     loss_ref, grads_ref, rewritten_ref = _llama_step({})
-    assert (rewritten, rewritten_ref) == (4, 0)  # q/k/v's and gate/up's input gradients, in each of 2 layers
+    assert (rewritten, rewritten_ref) == (sums, 0)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=0)
     for grad, grad_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-10 * grad_ref.abs().max().item())
