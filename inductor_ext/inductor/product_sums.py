@@ -41,17 +41,19 @@ _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 def accumulate_product_sums(graph: Graph) -> int:
     """Rewrite the sums of products described in the module docstring; returns how many."""
     rewritten = 0
+    erased: set[Node] = set()
     # last to first: a sum's outermost add comes first, and the inner adds of a tree with another term
     # get their own turn
     for root in reversed(list(graph.nodes)):
-        if getattr(root, "_erased", False) or not _is_plain_add(root):
-            continue  # erased with a larger sum already rewritten, or not an add
+        if root in erased or not _is_plain_add(root):
+            continue  # an inner add of a sum already rewritten, or not an add
         terms, adds = _terms(root)
         products = [p for p in map(_product, terms) if p is not None]
         distinct = len(set(terms)) == len(terms) and len(set(adds)) == len(adds)
         if len(products) != len(terms) or not distinct or not _same_layout(root, terms, products):
             continue
         _rewrite(graph, root, products, adds)
+        erased.update(adds)
         rewritten += 1
     if rewritten:
         counters["inductor_ext"]["sum_of_products"] += rewritten

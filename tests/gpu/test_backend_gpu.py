@@ -11,15 +11,12 @@ from inductor_ext._compat import kernel_analysis_cache
 from inductor_ext.inductor import choice
 from tests.tolerances import rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    counters.clear()
 
 
 def _llama_norm(n: int) -> torch.nn.Module:

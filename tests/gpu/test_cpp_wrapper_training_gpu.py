@@ -22,10 +22,7 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    counters.clear()
+def _isolated(isolated_compiles):
     # kernel names repeat across graphs (triton_poi_fused_mul_0): a stale entry must not hide a missing one
     CudaKernelParamCache.cache_clear()
     assert not config.cpp_wrapper  # per compile, as in the failing runs: a process-wide flag hid the bug

@@ -15,7 +15,11 @@ from inductor_ext import fused_linear_cross_entropy, swiglu
 from inductor_ext.ops import _library
 from tests.tolerances import rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
 
 N, H, I, V = 4096, 1024, 4096, 32000
 
@@ -33,13 +37,6 @@ class _MlpAndLoss(torch.nn.Module):
             return F.cross_entropy(h @ self.head.t(), labels)
         h = x + self.down(swiglu(self.gate(x), self.up(x)))
         return fused_linear_cross_entropy(h, self.head, labels, weight_grad_accumulation="weight_dtype")
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    counters.clear()
 
 
 def _step(model, x, labels, compiled: bool):

@@ -12,19 +12,17 @@ import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import gqa_llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
 
 H, LAYERS, BATCH, SEQ, VOCAB = 1024, 2, 2, 2048, 32000
 LOGITS_BYTES = BATCH * SEQ * VOCAB * 2
 GRAD_REL_ERR = 2e-2
 """Two compiles may reduce in other orders (Inductor's autotuning, attention's backward): bf16 gradients
 then differ by rounding; a missing or doubled contribution would be off by order one."""
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")

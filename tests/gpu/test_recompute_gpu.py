@@ -13,14 +13,17 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import inductor_ext  # noqa: F401
 from inductor_ext import models
 from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import gqa_llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
 
 H, LAYERS, BATCH, SEQ = 1024, 4, 2, 2048
 TOKENS = BATCH * SEQ
@@ -35,13 +38,6 @@ SPREAD_FACTOR, SPREAD_FLOOR = 4, 2**-9
 """The recomputing step's gradients are within ``SPREAD_FACTOR`` times the saving step's own run-to-run spread
 (the largest norm-wise difference over the parameters), that spread taken as at least ``SPREAD_FLOOR``
 (half bf16's relative resolution) so that two runs that happen to agree do not demand bit-equality."""
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
-    counters.clear()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,11 @@ import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import gqa_llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
 
 H, LAYERS, BATCH, SEQ, VOCAB = 1024, 2, 2, 2048, 32000
 GRAD_REL_ERR = 2e-2
@@ -18,12 +22,6 @@ GRAD_REL_ERR = 2e-2
 gradient sent to the wrong projection would be off by order one."""
 PEAK_SLACK = 8 * 2**20
 """Allocator rounding between two compiles; one layer's concatenated weights are 6 MiB, all of them 12."""
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()
 
 
 def _steps(llama, *, fuse: bool):
