@@ -32,10 +32,11 @@ def value(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
 
 
-def with_value(node: Node) -> Node:
-    """Record the node's example value, as Dynamo does, by running it on the inputs' fake tensors."""
+def with_value(node: Node, key: str = "example_value") -> Node:
+    """Record the node's example value by running it on the inputs' fake tensors: under ``key``, Dynamo's
+    ``"example_value"`` by default, ``"val"`` in an AOTAutograd or Inductor (post-grad) graph."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-    node.meta["example_value"] = run_on_values(node, args, kwargs)
+    node.meta[key] = run_on_values(node, args, kwargs)
     return node
 
 

@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import inductor_ext.ops.sum_of_products  # noqa: F401  registers fastops::sum_of_products
-from inductor_ext.inductor.graph_queries import run_on_values
+from inductor_ext.inductor.graph_queries import with_value
 
 aten = torch.ops.aten
 
@@ -93,19 +93,17 @@ def _product(term: object) -> tuple[Node, Node | None] | None:
     return term, view
 
 
-def _same_layout(root: Node, terms: list[Any], products: list[tuple[Node, Node | None]]) -> bool:
+def _same_layout(root: Node, terms: list[Node], products: list[tuple[Node, Node | None]]) -> bool:
     """Every term has the sum's dtype, device and shape (no promotion, no broadcasting), and every
-    product one shape."""
+    product the first one's shape."""
     total = root.meta.get("val")
-    values = [node.meta.get("val") for node in terms + [mm for mm, _ in products]]
+    values: list[Any] = [term.meta.get("val") for term in terms]
     if not isinstance(total, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in values):
         return False
-    first_product = products[0][0].meta["val"]
+    first = products[0][0].meta["val"].shape
     return all(
-        (v.dtype, v.device) == (total.dtype, total.device)
-        and _same_shape(v.shape, first_product.shape if i >= len(terms) else total.shape)
-        for i, v in enumerate(values)
-    )
+        (v.dtype, v.device) == (total.dtype, total.device) and _same_shape(v.shape, total.shape) for v in values
+    ) and all(_same_shape(mm.meta["val"].shape, first) for mm, _ in products)
 
 
 def _same_shape(a: torch.Size, b: torch.Size) -> bool:
@@ -125,10 +123,10 @@ def _rewrite(graph: Graph, root: Node, products: list[tuple[Node, Node | None]],
     rhs = [mm.args[1] for mm, _ in products]
     view = next((v for _, v in products if v is not None), None)
     with graph.inserting_before(root):
-        result = _with_val(graph.call_function(torch.ops.fastops.sum_of_products.default, (lhs, rhs)))
+        result = with_value(graph.call_function(torch.ops.fastops.sum_of_products.default, (lhs, rhs)), "val")
         if view is not None:  # the products' shape viewed as the sum's, as every term's view does
             target = cast(Callable[..., Any], view.target)
-            result = _with_val(graph.call_function(target, (result, *view.args[1:])))
+            result = with_value(graph.call_function(target, (result, *view.args[1:])), "val")
     root.replace_all_uses_with(result)
     for node in adds:  # root first: each add's users are gone before it is erased
         graph.erase_node(node)
@@ -136,10 +134,3 @@ def _rewrite(graph: Graph, root: Node, products: list[tuple[Node, Node | None]],
         if view is not None:
             graph.erase_node(view)
         graph.erase_node(mm)
-
-
-def _with_val(node: Node) -> Node:
-    """Record ``node``'s fake value (``val``), computed from its inputs' as Inductor's passes expect."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    node.meta["val"] = run_on_values(node, args, kwargs)
-    return node

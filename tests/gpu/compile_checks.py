@@ -2,7 +2,15 @@
 
 import tempfile
 
+import pytest
 import torch
+
+ISOLATED_CUDA_COMPILES = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("isolated_compiles"),
+]
+"""``pytestmark`` of a GPU test whose tests each compile against a tuning database of their own (conftest.py)."""
 
 
 def gqa_llama(hidden: int, layers: int, batch: int, seq: int, vocab: int = 32000):

@@ -9,13 +9,10 @@ from torch._inductor.utils import run_and_get_code
 import inductor_ext  # noqa: F401
 from inductor_ext._compat import kernel_analysis_cache
 from inductor_ext.inductor import choice
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES
 from tests.tolerances import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.usefixtures("isolated_compiles"),
-]
+pytestmark = ISOLATED_CUDA_COMPILES
 transformers = pytest.importorskip("transformers")
 
 

@@ -4,7 +4,6 @@ over the saved ``gate``/``up`` and the loss's backward scales its saved ``dweigh
 place (inductor_ext.inductor.donated_buffers): the gradients stay those of eager, and the backward
 allocates those buffers no more."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
@@ -13,13 +12,10 @@ from torch._inductor import config
 import inductor_ext  # noqa: F401
 from inductor_ext import fused_linear_cross_entropy, swiglu
 from inductor_ext.ops import _library
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES
 from tests.tolerances import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.usefixtures("isolated_compiles"),
-]
+pytestmark = ISOLATED_CUDA_COMPILES
 
 N, H, I, V = 4096, 1024, 4096, 32000
 

@@ -10,13 +10,9 @@ import torch
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
-from tests.gpu.compile_checks import gqa_llama
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.usefixtures("isolated_compiles"),
-]
+pytestmark = ISOLATED_CUDA_COMPILES
 
 H, LAYERS, BATCH, SEQ, VOCAB = 1024, 2, 2, 2048, 32000
 LOGITS_BYTES = BATCH * SEQ * VOCAB * 2

@@ -3,20 +3,15 @@ with ``fastops::sum_of_products`` under ``fastops_inductor`` (the loss as withou
 rounding, no higher peak), and its output is a 16-byte-aligned buffer, so the Triton kernels that read it keep
 their vectorised loads."""
 
-import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
-from tests.gpu.compile_checks import gqa_llama
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.usefixtures("isolated_compiles"),
-]
+pytestmark = ISOLATED_CUDA_COMPILES
 
 H, LAYERS, BATCH, SEQ, VOCAB = 1024, 2, 2, 2048, 32000
 GRAD_REL_ERR = 2e-2

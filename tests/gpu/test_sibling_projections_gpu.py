@@ -3,18 +3,13 @@
 bf16 rounding, the weights' gradients as views of one buffer, and no higher peak (the concatenated weights
 are recomputed in the backward, not held)."""
 
-import pytest
 import torch
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
-from tests.gpu.compile_checks import gqa_llama
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.usefixtures("isolated_compiles"),
-]
+pytestmark = ISOLATED_CUDA_COMPILES
 
 H, LAYERS, BATCH, SEQ, VOCAB = 1024, 2, 2, 2048, 32000
 GRAD_REL_ERR = 2e-2

@@ -85,15 +85,20 @@ REWRITTEN = {
 }  # fmt: skip
 
 
+def _compiled_case(cases, case, options=ON):
+    """A case's function, its compiled output, sums rewritten and generated code, and its eager output."""
+    fn, widths = cases[case]
+    args = _rows(*widths)
+    return (*_compiled(fn, *args, options=options), fn(*args))
+
+
 @pytest.mark.parametrize("case", list(REWRITTEN))
 def test_sums_of_products_become_one_call_with_the_same_value(case):
-    fn, widths = REWRITTEN[case]
-    args = _rows(*widths)
-    out, rewritten, code = _compiled(fn, *args)
+    out, rewritten, code, expected = _compiled_case(REWRITTEN, case)
     assert rewritten == 1
     assert code.count("torch.ops.fastops.sum_of_products.default(") == 1
-    torch.testing.assert_close(out, fn(*args), rtol=1e-12, atol=1e-12)
-    _, off, off_code = _compiled(fn, *args, options={})
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    _, off, off_code, _ = _compiled_case(REWRITTEN, case, options={})
     assert off == 0 and "sum_of_products" not in off_code
 
 
@@ -113,19 +118,15 @@ LEFT = {
 
 @pytest.mark.parametrize("case", list(LEFT))
 def test_other_sums_are_left_as_they_are(case):
-    fn, widths = LEFT[case]
-    args = _rows(*widths)
-    out, rewritten, code = _compiled(fn, *args)
+    out, rewritten, code, expected = _compiled_case(LEFT, case)
     assert rewritten == 0 and "sum_of_products" not in code
-    torch.testing.assert_close(out, fn(*args), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_cpp_wrapper_calls_the_op():
-    fn, widths = REWRITTEN["three"]
-    args = _rows(*widths)
-    out, rewritten, code = _compiled(fn, *args, options={**ON, "cpp_wrapper": True})
+    out, rewritten, code, expected = _compiled_case(REWRITTEN, "three", options={**ON, "cpp_wrapper": True})
     assert rewritten == 1 and "sum_of_products" in code
-    torch.testing.assert_close(out, fn(*args), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 def _llama_step(options):
