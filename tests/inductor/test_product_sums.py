@@ -40,6 +40,14 @@ def test_op_sums_the_products(dtype, tolerance):
     torch.library.opcheck(torch.ops.fastops.sum_of_products.default, (lhs, rhs))
 
 
+def test_op_compiles_in_one_graph():
+    lhs, rhs = _operands(torch.float64)
+    counters.clear()
+    compiled = torch.compile(torch.ops.fastops.sum_of_products, fullgraph=True)
+    torch.testing.assert_close(compiled(lhs, rhs), sum_of_products(lhs, rhs), rtol=1e-12, atol=1e-12)
+    assert not counters["graph_break"]
+
+
 @pytest.mark.parametrize(
     ("lhs", "rhs", "message"),
     [
