@@ -128,4 +128,4 @@ def test_every_patch_names_its_versions_and_upstream_reference():
     for patch in _compat.inductor_patches():
         first, last = patch.tested
         assert (2, 11) <= first <= last and patch.upstream and ":" in patch.target, patch
-    assert _compat.torch_version() == tuple(int(n) for n in torch.__version__.split(".")[:2])
+    assert _compat.package_version("torch") == tuple(int(n) for n in torch.__version__.split(".")[:2])

@@ -70,10 +70,6 @@ def package_version(package: str) -> Version:
     return int(major), int(minor)
 
 
-def torch_version() -> Version:
-    return package_version("torch")
-
-
 _lock = threading.Lock()
 _installed: dict[str, tuple[int, Any, str, Any]] = {}
 """Patch name -> (holders, owner, attribute name, the original attribute)."""

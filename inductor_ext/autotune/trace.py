@@ -23,9 +23,6 @@ from inductor_ext.autotune.calls import OpCall, dedup, meta_call, parse_dtype
 from inductor_ext.inductor.choice import fastops_calls
 from inductor_ext.inductor.rewrites import apply_rewrites
 
-ModelSpec = tuple[torch.nn.Module, Sequence[Any] | Mapping[str, Any]]
-"""What an entry function returns: ``(model, example input shapes)``."""
-
 
 def trace_calls(
     model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], grad: bool = True

@@ -129,10 +129,6 @@ def _prune(
     return in_search_order(configs, space, NormConfig.from_triton)
 
 
-prune_forward = functools.partial(_prune, forward=True)
-prune_backward = functools.partial(_prune, forward=False)
-
-
 def autotune_kwargs(forward: bool, key: list[str], two_reductions: bool = False) -> dict[str, object]:
     """``@triton.autotune`` arguments: every config, pruned per call to the valid ones for ``N``
     (in :func:`search_space`'s order, with ``two_reductions`` for a forward that reduces twice).
