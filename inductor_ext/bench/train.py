@@ -873,8 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         scratch = {provider: scratch_dirs.enter_context(tempfile.TemporaryDirectory()) for provider in runnable}
         for round_index in range(args.rounds):
             order = runnable if round_index % 2 == 0 else runnable[::-1]
+            label = f" (round {round_index + 1})" if args.rounds > 1 else ""
             for position, provider in enumerate(order):
-                label = f" (round {round_index + 1})" if args.rounds > 1 else ""
                 print(f"{provider}{label} ...", end=" ", flush=True)
                 env = fresh_cache_env(scratch[provider], scratch[provider])
                 result = run_child(_worker_command(args, provider), env)

@@ -5,11 +5,11 @@ their vectorised loads."""
 
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.utils import fresh_cache, run_and_get_code
+from torch._inductor.utils import fresh_cache
 
 import inductor_ext  # noqa: F401
 from inductor_ext.bench.harness import rel_err
-from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
+from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama, run_and_get_joined_code
 
 pytestmark = ISOLATED_CUDA_COMPILES
 
@@ -39,11 +39,11 @@ def _step(llama, *, accumulate: bool):
         return loss.detach()
 
     with fresh_cache():  # compiled anew: a cache hit would skip the post-grad pass that counts the sums
-        loss, code = run_and_get_code(step)
+        loss, code = run_and_get_joined_code(step)
     torch.cuda.synchronize()
     grads = {name: p.grad for name, p in model.named_parameters()}
     peak = torch.cuda.max_memory_allocated() - start
-    return peak, loss, grads, counters["inductor_ext"]["sum_of_products"], "\n".join(code)
+    return peak, loss, grads, counters["inductor_ext"]["sum_of_products"], code
 
 
 def test_backward_sums_input_gradients_in_the_gemms():
