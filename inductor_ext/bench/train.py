@@ -145,8 +145,8 @@ PROVIDERS: dict[str, dict[str, Any] | None] = {
                                            "options": {"fastops.lazy_linear_outputs": False}},
     "fastops_inductor_fused_projections": {"backend": "fastops_inductor",
                                            "options": {"fastops.fuse_projections": True}},
-    "fastops_inductor_accumulate_products": {"backend": "fastops_inductor",
-                                             "options": {"fastops.accumulate_products": True}},
+    "fastops_inductor_separate_products": {"backend": "fastops_inductor",
+                                           "options": {"fastops.accumulate_products": False}},
     "fastops_inductor_cudagraphs": {"backend": "fastops_inductor", "mode": "reduce-overhead"},
     "fastops_inductor_compiled_adamw": {"backend": "fastops_inductor"},
     "liger_eager": None,
@@ -223,8 +223,9 @@ GLU's output recomputed in the backward too; ``*_zero_output_grads`` with ``fast
 off: the compiled backward takes zeros for the returned, undifferentiated logits
 (:mod:`inductor_ext.inductor.lazy_outputs`); ``*_fused_projections`` with ``fastops.fuse_projections``
 on: GQA's q/k/v run as one product (:mod:`inductor_ext.inductor.sibling_projections`);
-``*_accumulate_products`` with ``fastops.accumulate_products`` on: the backward's sums of input gradients
-added in the GEMMs' epilogues (:mod:`inductor_ext.inductor.product_sums`)."""
+``*_separate_products`` with ``fastops.accumulate_products`` off: the backward's sums of input gradients
+computed as separate products and a pointwise sum, not added in the GEMMs' epilogues
+(:mod:`inductor_ext.inductor.product_sums`)."""
 
 DEFAULT_PROVIDERS = ("hf_eager", "torch_compile", "fastops_inductor", "liger_eager")
 CPP_WRAPPER_PROVIDERS = ("fastops_inductor", "fastops_inductor_cpp_wrapper", "fastops_inductor_warm_db",

@@ -14,7 +14,7 @@ Six steps on the graph Dynamo hands over, then Inductor:
    aten math (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
 4. version the compile caches by our code, options and decisions (:mod:`.cache_key`), in a post-grad
    pass that also computes sums of matrix products in the GEMMs' epilogues (:mod:`.product_sums`, an
-   option, off by default) and has our backward kernels write over donated inputs (:mod:`.donated_buffers`);
+   option, on by default) and has our backward kernels write over donated inputs (:mod:`.donated_buffers`);
 5. ``compile_fx`` with our Inductor config patches (multi-kernel on by default,
    compile-time autotuning with ``cpp_wrapper``), while the op bodies trace the
    chosen routes, and with the fixes of :mod:`inductor_ext._compat` installed for the

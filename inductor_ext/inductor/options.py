@@ -53,8 +53,8 @@ named next to each. An explicit option beats the environment, which beats the de
 ``fastops.accumulate_products`` (``INDUCTOR_EXT_ACCUMULATE_PRODUCTS``)
     Compute a sum of matrix products (the backward's input gradient of a tensor that feeds several linear
     layers: q/k/v, gate/up) as one product followed by the others added in their GEMMs' epilogues, instead
-    of separate products and a pointwise sum (default false; :mod:`.product_sums`). Off until a training
-    step on the GPU measures it.
+    of separate products and a pointwise sum (default true; :mod:`.product_sums`): the Llama-3.2-1B
+    training step on an H100 took 2.2 ms less GPU time and 1.2 ms less wall time with it (1.010x tokens/s).
 ``cpp_wrapper`` (``INDUCTOR_EXT_CPP_WRAPPER``)
     Inductor's C++ wrapper; with it, ``triton.autotune_at_compile_time`` is forced on
     (torch 2.13 otherwise defaults it off and asserts with multi-kernel).
@@ -101,7 +101,7 @@ class BackendOptions:
     recompute_glu: bool = False
     lazy_linear_outputs: bool = True
     fuse_projections: bool = False
-    accumulate_products: bool = False
+    accumulate_products: bool = True
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
@@ -157,7 +157,7 @@ def parse_options(
     recompute_glu = ours.get("recompute_glu", env_flag(env, "INDUCTOR_EXT_RECOMPUTE_GLU", False))
     lazy_linear_outputs = ours.get("lazy_linear_outputs", env_flag(env, "INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS", True))
     fuse_projections = ours.get("fuse_projections", env_flag(env, "INDUCTOR_EXT_FUSE_PROJECTIONS", False))
-    accumulate_products = ours.get("accumulate_products", env_flag(env, "INDUCTOR_EXT_ACCUMULATE_PRODUCTS", False))
+    accumulate_products = ours.get("accumulate_products", env_flag(env, "INDUCTOR_EXT_ACCUMULATE_PRODUCTS", True))
     parsed = BackendOptions(
         default_route, routes, multi_kernel, bool(patterns), cpp_wrapper, bool(causal_mask), bool(assume_no_padding),
         bool(document_mask), bool(recompute_norms), bool(recompute_glu), bool(lazy_linear_outputs),

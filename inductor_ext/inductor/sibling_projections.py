@@ -21,8 +21,9 @@ backward at 8192 tokens, both copies paid): q/k/v 0.533 → 0.484 ms at Llama-3.
 their input, 0.96× at both. Hence the rule: a group is fused when one of its products is narrower than its
 input (``out_features < in_features``), which picks GQA's q/k/v and leaves gate/up, and multi-head
 attention's q/k/v of equal widths, as they are. Predicted from those numbers: -0.8 ms of a 117 ms training
-step at the 1B shape. The option stays off until a whole training step on the GPU measures that
-(``bench train --providers fastops_inductor fastops_inductor_fused_projections``).
+step at the 1B shape. Measured in that step on an H100 (``bench train --providers fastops_inductor
+fastops_inductor_fused_projections``): -1.5 ms of GPU time but -0.4 ms of wall time, inside the run-to-run
+spread, so the option stays off.
 
 A group is two or more ``linear`` calls on the same input node whose weights (and biases, on all or none)
 are graph inputs of one dtype and device, 2-D weights of one input width, all trainable or all frozen
@@ -30,8 +31,10 @@ are graph inputs of one dtype and device, 2-D weights of one input width, all tr
 no autocast, grad-mode or inference-mode boundary and no in-place write between its first and last call
 (the fused product runs where the first call ran, and computes every projection there). The outputs are
 the same products computed as one GEMM over a wider matrix, so they may differ from the separate ones in
-the last bits (the BLAS may block the reduction differently); the weights' gradients are views into one
-buffer (``p.grad`` of the group's weights share storage, each with its parameter's shape and strides).
+the last bits (the BLAS may block the reduction differently). On CPU the weights' gradients are views into
+one buffer (``p.grad`` of the group's weights share storage, each with its parameter's shape and strides);
+on an H200 (torch 2.11) each came back as a buffer of its own, copied out of the fused product's gradient
+(not explained yet).
 """
 
 import itertools

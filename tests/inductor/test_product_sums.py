@@ -14,13 +14,13 @@ from inductor_ext.ops.sum_of_products import sum_of_products
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
-ON = {"fastops.accumulate_products": True}
+OFF = {"fastops.accumulate_products": False}
 
 
-def test_option_defaults_off_and_is_set_by_option_or_environment():
-    assert parse_options(None, env={})[0].accumulate_products is False
-    assert parse_options(ON, env={})[0].accumulate_products is True
-    assert parse_options(None, env={"INDUCTOR_EXT_ACCUMULATE_PRODUCTS": "1"})[0].accumulate_products is True
+def test_option_defaults_on_and_is_turned_off_by_option_or_environment():
+    assert parse_options(None, env={})[0].accumulate_products is True
+    assert parse_options(OFF, env={})[0].accumulate_products is False
+    assert parse_options(None, env={"INDUCTOR_EXT_ACCUMULATE_PRODUCTS": "0"})[0].accumulate_products is False
 
 
 def _operands(dtype: torch.dtype, widths=(3, 16, 5)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -65,7 +65,7 @@ def test_op_names_what_is_wrong_with_its_operands(lhs, rhs, message):
         sum_of_products(lhs, rhs)
 
 
-def _compiled(fn, *args, options=ON):
+def _compiled(fn, *args, options=None):
     """``fn(*args)`` compiled by the backend, the sums it rewrote, and the generated code."""
     counters.clear()
     out, code = run_and_get_code(torch.compile(fn, backend="fastops_inductor", fullgraph=True, options=options), *args)
@@ -93,7 +93,7 @@ REWRITTEN = {
 }  # fmt: skip
 
 
-def _compiled_case(cases, case, options=ON):
+def _compiled_case(cases, case, options=None):
     """A case's function, its compiled output, sums rewritten and generated code, and its eager output."""
     fn, widths = cases[case]
     args = _rows(*widths)
@@ -106,7 +106,7 @@ def test_sums_of_products_become_one_call_with_the_same_value(case):
     assert rewritten == 1
     assert code.count("torch.ops.fastops.sum_of_products.default(") == 1
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    _, off, off_code, _ = _compiled_case(REWRITTEN, case, options={})
+    _, off, off_code, _ = _compiled_case(REWRITTEN, case, options=OFF)
     assert off == 0 and "sum_of_products" not in off_code
 
 
@@ -132,7 +132,7 @@ def test_other_sums_are_left_as_they_are(case):
 
 
 def test_cpp_wrapper_calls_the_op():
-    out, rewritten, code, expected = _compiled_case(REWRITTEN, "three", options={**ON, "cpp_wrapper": True})
+    out, rewritten, code, expected = _compiled_case(REWRITTEN, "three", options={"cpp_wrapper": True})
     assert rewritten == 1 and "sum_of_products" in code
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
@@ -154,14 +154,14 @@ def _llama_step(options):
 
 @pytest.mark.parametrize(
     ("options", "sums"),
-    [(ON, 4), ({**ON, "fastops.fuse_projections": True}, 2)],
+    [({}, 4), ({"fastops.fuse_projections": True}, 2)],
     ids=["separate_projections", "fused_projections"],
 )
 def test_llama_backward_sums_qkv_and_gate_up_input_gradients_in_the_gemms(options, sums):
     """q/k/v's and gate/up's input gradients in each of 2 layers; with q/k/v as one product, gate/up's only."""
     loss, grads, rewritten = _llama_step(options)
     torch._dynamo.reset()
-    loss_ref, grads_ref, rewritten_ref = _llama_step({})
+    loss_ref, grads_ref, rewritten_ref = _llama_step(OFF)
     assert (rewritten, rewritten_ref) == (sums, 0)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=0)
     for grad, grad_ref in zip(grads, grads_ref, strict=True):
