@@ -33,8 +33,7 @@ no autocast, grad-mode or inference-mode boundary and no in-place write between 
 the same products computed as one GEMM over a wider matrix, so they may differ from the separate ones in
 the last bits (the BLAS may block the reduction differently). On CPU the weights' gradients are views into
 one buffer (``p.grad`` of the group's weights share storage, each with its parameter's shape and strides);
-on an H200 (torch 2.11) each came back as a buffer of its own, copied out of the fused product's gradient
-(not explained yet).
+on an H200 (torch 2.11) each came back as a buffer of its own (not explained yet).
 """
 
 import itertools

@@ -61,4 +61,4 @@ def test_fused_projections_match_separate_ones():
     for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert proj.weight.grad.shape == proj.weight.shape and proj.weight.grad.is_contiguous()
     # not asserted: on CPU the three gradients are views of one buffer; on an H200 (torch 2.11) each came
-    # back as a buffer of its own, copied out of the fused product's gradient (not explained yet)
+    # back as a buffer of its own (not explained yet)
