@@ -5,8 +5,9 @@ A tensor that feeds several linear layers gets, in the backward, the sum of thei
 for the MLP. Inductor computes each product into a buffer of its own and adds them in a pointwise
 kernel: at Llama-3.2-1B's shape (8192 tokens, bf16) the two sums read and write four and three
 ``N H`` tensors, 0.86 ms a step on the H200 (two ``triton_poi_fused_add_view_*`` kernels a layer).
-:func:`inductor_ext.ops.sum_of_products.sum_of_products` writes the first product and has cuBLAS add each further one to it in the GEMM's epilogue (``addmm_``): no sum kernel and no
-product held beside another, for one more read of the total by each GEMM after the first.
+:func:`inductor_ext.ops.sum_of_products.sum_of_products` writes the first product and has cuBLAS add
+each further one to it in the GEMM's epilogue (``addmm_``): no sum kernel and no product held beside
+another, for one more read of the total by each GEMM after the first.
 
 What is rewritten (``accumulate_product_sums``): a tree of ``aten.add.Tensor`` nodes (no ``alpha``;
 each inner add read only by the next) whose every term is an ``aten.mm`` read only there, optionally
