@@ -15,9 +15,13 @@ of an input becomes a copy of the whole input in the compiled graph, once per la
 H200: 9.9 ms a decode step at batch 8 for the Llama-3.2-1B shape, 14× the bandwidth floor).
 
 Masking is explicit: slot ``j`` of the cache is visible to the token at slot ``i`` iff ``j <= i`` and
-``attention_mask[b, j]`` is 1. With a left-padded batch this is exactly what transformers'
-``generate`` computes (``position_ids`` count only real tokens, padding slots are never attended);
-the boolean mask is passed to the model as a 4-D mask, which transformers uses as is. A model that
+``attention_mask[b, j]`` is 1, and, in a layer with a sliding window ``w``, ``j > i - w`` (transformers'
+``sliding_window_overlay``, over cache slots as ``generate`` counts them, padding included). With a
+left-padded batch this is exactly what transformers' ``generate`` computes (``position_ids`` count only
+real tokens, padding slots are never attended). The boolean masks are passed to the model as 4-D masks,
+which transformers uses as they are: one tensor when every layer attends alike, else one per layer type
+(``config.layer_types``), as transformers' own mask mapping. :func:`attention_windows` reads each layer's
+window from the config and refuses a model whose attention it cannot reproduce. A model that
 runs SDPA attends as ``attention`` chooses (:mod:`inductor_ext.generation.attention`): transformers'
 SDPA attention by default, or attention on the cache's own key/value heads.
 """
@@ -30,6 +34,46 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from inductor_ext.generation.attention import check_attention_choice, generation_attention
+
+LAYER_TYPE_WINDOWS = {"full_attention": False, "sliding_attention": True}
+"""The ``config.layer_types`` the step reproduces -> whether the layer applies ``config.sliding_window``."""
+
+EVERY_LAYER_SLIDING_MODEL_TYPES = frozenset(
+    {"mistral", "mixtral", "ministral3", "phi3", "phimoe", "qwen3_moe", "starcoder2"}
+)
+"""Model types without ``layer_types`` whose models window every layer's attention when ``config.sliding_window``
+is set (their forward calls transformers' ``create_sliding_window_causal_mask`` then)."""
+
+
+def attention_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal attention), as transformers' model applies it.
+
+    Raises ``ValueError`` for a model whose attention masks the step cannot reproduce exactly: a layer type
+    other than full or sliding attention, a sliding window that is not a positive integer, or a
+    ``sliding_window`` on a model type not known to apply it to every layer."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    model_type = getattr(config, "model_type", "?")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_TYPE_WINDOWS))
+        if unknown:
+            raise ValueError(
+                f"export_generation: {model_type} has layers of type {unknown}; the generation step reproduces only "
+                f"{sorted(LAYER_TYPE_WINDOWS)}"
+            )
+        windowed = [LAYER_TYPE_WINDOWS[kind] for kind in layer_types]
+    elif window is None:
+        windowed = [False] * config.num_hidden_layers
+    elif model_type in EVERY_LAYER_SLIDING_MODEL_TYPES:
+        windowed = [True] * config.num_hidden_layers
+    else:
+        raise ValueError(
+            f"export_generation: {model_type} sets sliding_window={window} without layer_types; which of its layers "
+            "apply it is not known, so its attention cannot be reproduced"
+        )
+    if any(windowed) and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"export_generation: {model_type}'s sliding_window must be a positive integer, got {window!r}")
+    return [window if slides else None for slides in windowed]
 
 
 class SlotLayer(CacheLayerMixin):
@@ -95,6 +139,13 @@ class GenerationStep(nn.Module):
         # no ``cache_position``; older versions compute it from the cache's length unless it is passed
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.takes_cache_position = "cache_position" in parameters
+        config: Any = model.config
+        windows = attention_windows(config)
+        self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        """The distinct windows (None: full attention), one mask each."""
+        layer_types = getattr(config, "layer_types", None)
+        self.layer_type_windows = dict(zip(layer_types, windows)) if layer_types and len(self.windows) > 1 else {}
+        """Layer type -> window, where the model gets one mask per layer type (a dict) rather than one for all."""
 
     def forward(
         self,
@@ -104,8 +155,18 @@ class GenerationStep(nn.Module):
         attention_mask: Tensor,
         kv_cache: list[Tensor],
     ) -> Tensor:
-        slots = torch.arange(kv_cache[0].shape[2], device=input_ids.device)
-        visible = (slots[None, :] <= cache_position[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+        slots = torch.arange(kv_cache[0].shape[2], device=input_ids.device)[None, :]
+        query_slots = cache_position[:, None]
+        real = attention_mask.bool()[:, None, None, :]
+        masks = {}
+        for window in self.windows:
+            allowed = slots <= query_slots
+            if window is not None:
+                allowed = allowed & (slots > query_slots - window)
+            masks[window] = allowed[None, None] & real
+        visible: Tensor | dict[str, Tensor] = masks[self.windows[0]]
+        if self.layer_type_windows:
+            visible = {kind: masks[window] for kind, window in self.layer_type_windows.items()}
         kwargs: dict[str, Any] = {self.cache_argument: SlotCache(kv_cache, cache_position)}
         if self.takes_cache_position:
             kwargs["cache_position"] = cache_position
