@@ -17,7 +17,6 @@ the cache and stop generating is stored as the package's metadata (read by
 :func:`inductor_ext.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
 """
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from inductor_ext.export import compile_program, export_program
 from inductor_ext.generation.attention import check_attention_choice
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.metadata import decode_graph_name, encode
-from inductor_ext.generation.projections import fused_projections
 from inductor_ext.generation.step import GenerationStep
 from inductor_ext.shared_weights import program_weights, write_package
 
@@ -67,7 +65,6 @@ def export_generation(
     options: Mapping[str, Any] | None = None,
     attention: str = "sdpa",
     decode_batch_sizes: Sequence[int] = (1,),
-    fuse_projections: bool = False,
 ) -> Path:
     """Export ``model`` (an HF causal LM) for generation to the package ``path`` (``.pt2``); returns its path.
 
@@ -83,9 +80,6 @@ def export_generation(
     ``decode_batch_sizes``: the batches that get a static decode graph (module docstring); each adds
     a compile to the export, not a copy of the weights. Inductor's ``freezing`` option folds the weights
     into each graph, so it needs ``decode_batch_sizes=()`` (one graph that holds its weights).
-    ``fuse_projections``: export each layer's q/k/v and gate/up projections as one matrix product each
-    (:mod:`inductor_ext.generation.projections`; three launches fewer a layer, the same bytes read), at the
-    cost of a copy of those weights while exporting. Not yet measured on the GPU, so off by default.
     """
     check_attention_choice(attention, "export_generation")
     frozen = bool((options or {}).get("freezing"))
@@ -158,8 +152,7 @@ def export_generation(
     try:
         if Path(path).suffix != ".pt2":
             raise ValueError(f"export_generation: path must end in .pt2 (an AOTInductor package), got {path}")
-        fusing = fused_projections(model) if fuse_projections else contextlib.nullcontext()
-        with torch.no_grad(), fusing:
+        with torch.no_grad():
             step = GenerationStep(model, attention=attention)
             program = export_program(step, tuple(example(batch, length).values()),
                                      dynamic_shapes=tuple(dynamic_shapes[name] for name in names))  # fmt: skip

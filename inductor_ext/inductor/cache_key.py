@@ -1,60 +1,52 @@
-"""A ``CustomGraphPass`` that versions the FX-graph and AOTAutograd caches by our rules.
+"""The key that versions Inductor's compile caches by our code, options and route decisions.
 
-Inductor's FX graph cache does not hash registered lowerings, and the AOTAutograd cache
-does not hash the traced op bodies' route decisions: both would serve a graph compiled
-under other rules. Both caches do hash the ``uuid()`` of the custom post-grad pass, so
-ours folds in the package version, the source of every module whose code decides what
-gets traced (ops, kernels, rewrites, route choice, options) and this compile's options
-and route decisions. torch 2.11 takes one pass per slot: a user's pass already in the
-slot is chained inside ours.
+Inductor's FX graph cache does not hash registered lowerings, and the AOTAutograd cache does not hash
+the traced op bodies' route decisions: both would serve a graph compiled under other rules. Both hash
+the ``uuid()`` of the post-grad custom pass (:class:`inductor_ext.inductor.pipeline.PostGradPasses`),
+which is :func:`cache_key`: the package version, the code of every module that decides what gets traced
+(ops, kernels, passes, route choice, options, tuning) and the compile's own state. The code is hashed
+as its syntax tree without docstrings, so an edit of a comment or a docstring keeps users' caches.
 """
 
+import ast
 import functools
 import hashlib
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.utils import get_donated_idxs
-
-from inductor_ext.inductor.donated_buffers import write_over_donated_inputs
-from inductor_ext.inductor.product_sums import accumulate_product_sums
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_VERSIONED_DIRS = ("ops", "kernels", "inductor", "tuning", "autotune")
+_VERSIONED_DIRS = ("library", "ops", "kernels", "inductor", "tuning", "autotune")
+
+
+def code_fingerprint(source: str) -> str:
+    """``source``'s syntax tree without docstrings, as text: equal for sources that differ only in
+    comments, docstrings, blank lines or formatting."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 of the package version and the source of the modules that shape compiled graphs."""
+    """sha256 of the package version and the code of the modules that shape compiled graphs."""
     digest = hashlib.sha256(__version__.encode())
     for directory in _VERSIONED_DIRS:
         for path in sorted((_PACKAGE / directory).rglob("*.py")):  # subpackages too (inductor/rewrites)
             digest.update(path.relative_to(_PACKAGE).as_posix().encode())
-            digest.update(path.read_bytes())
+            digest.update(code_fingerprint(path.read_text()).encode())
     return digest.hexdigest()
 
 
-class FastopsGraphPass(CustomGraphPass):
-    """Our post-grad passes (:mod:`.product_sums` where ``accumulate_products``, :mod:`.donated_buffers`),
-    then the user's (if any); its ``uuid`` versions the caches (``state`` holds the options)."""
-
-    def __init__(self, state: str, chained: Any = None, *, accumulate_products: bool = False) -> None:
-        self.state = state
-        self.chained = chained
-        self.accumulate_products = accumulate_products
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.accumulate_products:
-            accumulate_product_sums(graph)
-        write_over_donated_inputs(graph, get_donated_idxs())
-        if self.chained is not None:
-            self.chained(graph)
-
-    def uuid(self) -> Any:
-        chained = None
-        if self.chained is not None:
-            chained = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else repr(self.chained)
-        return hashlib.sha256(f"{source_digest()}|{self.state}|{chained}".encode()).hexdigest()
+def cache_key(state: str, chained: object = None) -> str:
+    """The compile's key: our code, its ``state`` (options and route decisions) and a chained user pass's key."""
+    return hashlib.sha256(f"{source_digest()}|{state}|{chained}".encode()).hexdigest()

@@ -1,5 +1,4 @@
-"""Elementwise outputs recomputed in the backward instead of saved (``fastops.recompute_norms``,
-``fastops.recompute_glu``).
+"""Norm outputs recomputed in the backward instead of saved (``fastops.recompute_norms``).
 
 In a decoder layer the normalised hidden state ``y = norm(x)`` feeds matrix products (the q/k/v
 projections, the gate/up projections, the LM head), whose weight gradients need ``y`` in the
@@ -20,13 +19,6 @@ For a Llama-shaped decoder that is two ``N H`` tensors per layer: with ``N = 819
 kernels in the backward (each reads ``x`` and writes ``y``: about 20 µs at the H200's copy bandwidth,
 0.6 ms of a 118 ms step; an estimate from the bytes, not yet measured).
 
-The GLU's output ``act(gate) * up`` feeds the down projection the same way, and its backward saves
-``gate`` and ``up`` anyway: with ``fastops.recompute_glu`` (off by default) it is recomputed too,
-``N I`` elements less per layer (2 GiB for Llama-3.2-1B at 8192 tokens, 7 GiB for Llama-3.1-8B) for
-one GLU-forward kernel per layer in the backward (it reads ``gate`` and ``up`` and writes the output:
-by the same estimate about 0.12 ms at the 1B shape, 2 ms a step). Off by default: that is about 1.5%
-of the step, where the norms' recompute costs about 0.5%.
-
 Not marked: ``add_rms_norm`` (the residual add fused into the norm), whose recompute would need both
 summands and would recompute the residual stream's chain from the first layer at the start of the
 backward; and norms whose output reaches no matrix product (Qwen3's per-head q/k norms feed RoPE,
@@ -43,15 +35,12 @@ from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from inductor_ext.inductor.graph_queries import is_call, value
-from inductor_ext.ops.glu import glu_family, glu_packed_family
 from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.lora import lora_linear_family, lora_mlp_family, lora_qkv_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 
 NORM_FORWARDS = (rms_norm_family.fwd, layer_norm_family.fwd)
 """Norm forward ops whose first output (the normalised tensor) may be recomputed; their backward saves their input."""
-GLU_FORWARDS = (glu_family.fwd, glu_packed_family.fwd)
-"""GLU forward ops (one output); their backward saves their inputs."""
 
 MATMUL_FUNCTIONS = (
     torch._C._nn.linear, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,

@@ -1,8 +1,7 @@
 """A generation package's greedy tokens equal transformers' eager ``generate`` token for token over 32 new
 tokens, for two model families (Llama; Qwen3, with per-head q/k norms and its own head_dim), float32 on
 CPU, from Python (``load_generation``) and from the C++ loop (``aoti_generate``), at batch 1 (the
-package's static decode graph) and for a left-padded batch of 2 (its dynamic graph); also with the
-projections fused (``fuse_projections=True``), whose package stores the fused weights instead."""
+package's static decode graph) and for a left-padded batch of 2 (its dynamic graph)."""
 
 import pytest
 import torch
@@ -17,34 +16,21 @@ pytest.importorskip("transformers")
 NEW, PAD = 32, 0
 
 
-@pytest.fixture(scope="module", params=[("tiny-llama", False), ("tiny-qwen3", False), ("tiny-qwen3", True)],
-                ids=["llama", "qwen3", "qwen3_fused_projections"])  # fmt: skip
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"], ids=["llama", "qwen3"])
 def exported(request, tmp_path_factory):
-    name, fuse = request.param
+    name = request.param
     torch.manual_seed(0)
     model = build_model(name, "cpu", torch.float32).eval()
-    path = export_generation(model, tmp_path_factory.mktemp(name) / "model.pt2", max_batch_size=2, max_seq_len=48,
-                             fuse_projections=fuse)  # fmt: skip
+    path = export_generation(model, tmp_path_factory.mktemp(name) / "model.pt2", max_batch_size=2, max_seq_len=48)
     return model, path
 
 
-def test_the_package_stores_each_weight_once_fused_or_not(exported):
+def test_the_package_stores_each_weight_once(exported):
     model, path = exported
     stored = read_weights(path, torch.device("cpu"))
-    fused = any(name.endswith(".fused.weight") for name in stored)
-    layer = model.model.layers[0]
-    assert type(layer.self_attn.q_proj) is torch.nn.Linear  # the model's own modules are back after export
     for i, layer in enumerate(model.model.layers):
-        prefix = f"model.model.layers.{i}."
-        attention, mlp = layer.self_attn, layer.mlp
-        if fused:
-            qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            assert torch.equal(stored[prefix + "self_attn.q_proj.fused.weight"], qkv.detach())
-            assert torch.equal(stored[prefix + "mlp.gate_proj.fused.weight"], gate_up.detach())
-            assert prefix + "self_attn.k_proj.weight" not in stored and prefix + "mlp.up_proj.weight" not in stored
-        else:
-            assert torch.equal(stored[prefix + "self_attn.k_proj.weight"], attention.k_proj.weight.detach())
+        weight = stored[f"model.model.layers.{i}.self_attn.k_proj.weight"]
+        assert torch.equal(weight, layer.self_attn.k_proj.weight.detach())
     # no weight twice: the parameters (tied ones once) and the buffers (RoPE's frequencies)
     want = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     assert sum(t.numel() for t in {id(t): t for t in stored.values()}.values()) == want

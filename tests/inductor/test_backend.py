@@ -16,8 +16,8 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.autotune.trace import trace_calls
-from inductor_ext.inductor.cache_key import FastopsGraphPass
 from inductor_ext.inductor.options import BackendOptions, parse_options
+from inductor_ext.inductor.pipeline import PassContext, PostGradPasses
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
 from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (
@@ -189,7 +189,7 @@ def test_parse_options_defaults_env_and_precedence():
     env = {"INDUCTOR_EXT_ROUTE": "kernel,cross_entropy=inductor", "INDUCTOR_EXT_PATTERNS": "0"}
     ours, _ = parse_options(None, env=env)
     assert ours.route_for("rms_norm") == "kernel" and ours.route_for("cross_entropy") == "inductor"
-    assert ours.patterns is False
+    assert not ours.runs("patterns") and ours.runs("causal_mask")
     ours, _ = parse_options({"fastops.route": {"rms_norm": "inductor"}}, env=env)  # option beats env
     assert ours.route_for("rms_norm") == "inductor" and ours.route_for("glu") == "auto"
     # Inductor's own multi-kernel setting is respected
@@ -221,13 +221,14 @@ def test_bad_option_through_torch_compile():
 def test_cache_pass_uuid_tracks_state_and_chains_user_pass():
     seen = []
 
-    class UserPass(FastopsGraphPass):  # any CustomGraphPass
+    class UserPass(PostGradPasses):  # any CustomGraphPass
         def __call__(self, graph):
             seen.append(graph)
 
-    a, b = FastopsGraphPass("route=auto"), FastopsGraphPass("route=kernel")
-    assert a.uuid() != b.uuid() and a.uuid() == FastopsGraphPass("route=auto").uuid()
-    chained = FastopsGraphPass("route=auto", chained=UserPass("user"))
+    context = PassContext(BackendOptions())
+    a, b = PostGradPasses(context, "route=auto"), PostGradPasses(context, "route=kernel")
+    assert a.uuid() != b.uuid() and a.uuid() == PostGradPasses(context, "route=auto").uuid()
+    chained = PostGradPasses(context, "route=auto", chained=UserPass(context, "user"))
     assert chained.uuid() != a.uuid()
     chained(torch.fx.Graph())
     assert len(seen) == 1

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 def test_option_defaults_on_and_is_set_by_option_or_environment():
-    assert parse_options(None, env={})[0].lazy_linear_outputs is True
-    assert parse_options({"fastops.lazy_linear_outputs": False}, env={})[0].lazy_linear_outputs is False
-    assert parse_options(None, env={"INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS": "0"})[0].lazy_linear_outputs is False
+    assert parse_options(None, env={})[0].runs("lazy_linear_outputs")
+    assert not parse_options({"fastops.lazy_linear_outputs": False}, env={})[0].runs("lazy_linear_outputs")
+    assert not parse_options(None, env={"INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS": "0"})[0].runs("lazy_linear_outputs")
 
 
 def _llama(dtype=torch.float32):

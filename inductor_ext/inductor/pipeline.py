@@ -1,0 +1,107 @@
+"""The one graph pipeline: every optimisation of a graph is a registered :class:`GraphPass`.
+
+A pass declares its name, the stages it runs in, its default and the measured reason it exists; from
+that one declaration come its backend option (``fastops.<name>``), its environment variable
+(``INDUCTOR_EXT_<NAME>``) and its row of the options table in docs/backend.md
+(:mod:`inductor_ext.inductor.options`). Every entry point runs the same passes:
+
+- ``"dynamo"``: the torch-level graph Dynamo hands the ``fastops_inductor`` backend, before AOTAutograd;
+- ``"export"``: the ATen graph of a ``torch.export`` program, before AOTInductor
+  (:func:`inductor_ext.export`, ``export_generation``);
+- ``"post_grad"``: Inductor's post-grad graphs (forward and backward), in the backend and in exports,
+  through :class:`PostGradPasses`, Inductor's ``post_grad_custom_post_pass``.
+
+Passes register in :mod:`inductor_ext.inductor.passes`, in the order they run.
+"""
+
+import dataclasses
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, Literal
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+Stage = Literal["dynamo", "export", "post_grad"]
+STAGES: tuple[Stage, ...] = ("dynamo", "export", "post_grad")
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may read besides its graph: the compile's options, the example inputs (the Dynamo
+    stage), and what a pass leaves for the caller (``lazy_outputs``, for the compiled function)."""
+
+    options: Any  # inductor_ext.inductor.options.BackendOptions (which imports this module)
+    example_inputs: tuple[Any, ...] = ()
+    lazy_outputs: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    """One registered pass. ``run(graph_module_or_graph, context)``: a ``GraphModule`` in the
+    ``"dynamo"`` and ``"export"`` stages, an ``fx.Graph`` in ``"post_grad"``."""
+
+    name: str
+    stages: tuple[Stage, ...]
+    default: bool
+    reason: str
+    """Why the pass exists, with the number that measured it."""
+    run: Callable[[Any, PassContext], object]
+    option: bool = True
+    """Whether users can turn it off or on (``fastops.<name>``); False: it always runs."""
+
+    @property
+    def env_var(self) -> str:
+        return f"INDUCTOR_EXT_{self.name.upper()}"
+
+
+PASSES: dict[str, GraphPass] = {}
+"""Name -> pass, in the order they run."""
+
+
+def register_pass(
+    name: str, *, stages: tuple[Stage, ...], default: bool, reason: str, option: bool = True
+) -> Callable[[Callable[[Any, PassContext], object]], Callable[[Any, PassContext], object]]:
+    """Register the decorated function as the pass ``name`` (see :class:`GraphPass`)."""
+    if unknown := set(stages) - set(STAGES):
+        raise ValueError(f"register_pass: unknown stages {sorted(unknown)} for {name!r}")
+
+    def register(run: Callable[[Any, PassContext], object]) -> Callable[[Any, PassContext], object]:
+        if name in PASSES:
+            raise ValueError(f"register_pass: {name!r} is registered twice")
+        PASSES[name] = GraphPass(name, stages, default, reason, run, option)
+        return run
+
+    return register
+
+
+def passes_of(stage: Stage, enabled: Collection[str]) -> Iterator[GraphPass]:
+    """The enabled passes of ``stage``, in order."""
+    return (p for p in PASSES.values() if stage in p.stages and p.name in enabled)
+
+
+def run_stage(stage: Stage, graph: Any, context: PassContext) -> None:
+    """Run every enabled pass of ``stage`` on ``graph``, in order."""
+    for graph_pass in passes_of(stage, context.options.passes):
+        graph_pass.run(graph, context)
+
+
+class PostGradPasses(CustomGraphPass):
+    """The ``"post_grad"`` stage as Inductor's ``post_grad_custom_post_pass``, then the user's pass there
+    (torch 2.11 takes one pass per slot). Its ``uuid`` is the compile's cache key
+    (:func:`inductor_ext.inductor.cache_key.cache_key`): Inductor's FX-graph and AOTAutograd caches hash it."""
+
+    def __init__(self, context: PassContext, state: str, chained: Any = None) -> None:
+        self.context, self.state, self.chained = context, state, chained
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        run_stage("post_grad", graph, self.context)
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self) -> Any:
+        from inductor_ext.inductor.cache_key import cache_key
+
+        chained = None
+        if self.chained is not None:
+            chained = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else repr(self.chained)
+        return cache_key(self.state, chained)
