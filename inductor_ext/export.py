@@ -16,15 +16,9 @@ import torch
 from torch._inductor.package import package_aoti
 from torch.export.pt2_archive._package import load_pt2
 
-from inductor_ext import _compat
 from inductor_ext.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
-from inductor_ext.inductor.backend import post_grad_passes
-from inductor_ext.inductor.choice import RoutePlanner
-from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.pipeline import PassContext, run_stage
-from inductor_ext.ops._library import route_ops
+from inductor_ext.inductor.recipe import CompileRecipe
 from inductor_ext.shared_weights import read_weights, share_weights
-from inductor_ext.tuning.database import TuningDatabase
 
 
 class ExportError(ValueError):
@@ -62,19 +56,14 @@ def export_program(
 def compile_program(program: torch.export.ExportedProgram, options: Mapping[str, Any] | None = None) -> list[Any]:
     """AOTInductor's files for ``program`` (what ``torch._inductor.package.package_aoti`` bundles as one
     model of a package), with our graph rewrites and route decisions; ``options`` as :func:`export`'s."""
-    ours, inductor_options = parse_options(options, default_multi_kernel=None)
-    context = PassContext(ours)
-    run_stage("export", program.graph_module, context)  # the backend's pipeline, its passes for ATen graphs
-    patches = {**inductor_options, **ours.inductor_patches(), "aot_inductor.package": True}
+    recipe = CompileRecipe.prepare(program.graph_module, "export", options, default_multi_kernel=None)
     # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
     # time explicitly: multi-kernel asserts without it on some versions
+    patches = {**recipe.patches, "aot_inductor.package": True}
     patches.pop("cpp_wrapper", None)
     patches.setdefault("triton.autotune_at_compile_time", True)
-    planner = RoutePlanner(ours, TuningDatabase())
-    planner.plan_graph(program.graph_module)
-    patches["post_grad_custom_post_pass"] = post_grad_passes(context, planner, patches)
     args, kwargs = program.example_inputs or ((), {})
-    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
+    with recipe.tracing():
         files = torch._inductor.aot_compile(program.module(), args, kwargs, options=patches)
     assert isinstance(files, list), "aot_compile with aot_inductor.package returns the package's files"
     return files

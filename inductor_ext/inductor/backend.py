@@ -1,6 +1,6 @@
 """``torch.compile(model, backend="fastops_inductor")``.
 
-On the graph Dynamo hands over, then Inductor:
+On the graph Dynamo hands over (:class:`.recipe.CompileRecipe`, the same recipe as exports'), then Inductor:
 
 1. the registered passes of the ``"dynamo"`` stage, in order (:mod:`.pipeline`, :mod:`.passes`):
    attention masks proven causal or packed-document, shape calls in one form, common spellings
@@ -19,7 +19,6 @@ Options: :mod:`inductor_ext.inductor.options`.
 """
 
 import importlib.metadata
-import json
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -27,12 +26,8 @@ import torch
 from torch._dynamo import register_backend
 
 from inductor_ext import _compat
-from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.lazy_outputs import with_lazy_outputs
-from inductor_ext.inductor.options import BackendOptions, parse_options
-from inductor_ext.inductor.pipeline import PassContext, PostGradPasses, run_stage
-from inductor_ext.ops._library import route_ops
-from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.inductor.recipe import CompileRecipe
 
 BACKEND_NAME = "fastops_inductor"
 
@@ -44,40 +39,17 @@ def fastops_inductor(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    from torch._inductor import list_mode_options
     from torch._inductor.async_compile import maybe_warm_pool
     from torch._inductor.compile_fx import compile_fx
 
-    ours, inductor_options = parse_options(options)
     # Inductor's compile workers take seconds to start, and until they are up Inductor compiles
     # each Triton kernel's configs in this process, one by one: start them now, as the "inductor"
     # backend does (route timing compiles the ops' math before the graph).
     maybe_warm_pool()
-    context = PassContext(ours, tuple(example_inputs))
-    run_stage("dynamo", gm, context)
-    planner = RoutePlanner(ours, TuningDatabase())
-    planner.plan_graph(gm)
-
-    # torch.compile passes mode only when it is neither None nor "default";
-    # list_mode_options(None) would return every mode's options.
-    patches = {**(list_mode_options(mode) if mode else {}), **inductor_options, **ours.inductor_patches()}
-    patches["post_grad_custom_post_pass"] = post_grad_passes(context, planner, patches)
-    with route_ops(planner.traces_math), _compat.applied(_compat.inductor_patches()):
-        compiled = compile_fx(gm, example_inputs, inner_compile=compile_fx_inner_patched, config_patches=patches)
-    return with_lazy_outputs(cast(Callable[..., Any], compiled), context.lazy_outputs)
-
-
-def post_grad_passes(context: PassContext, planner: RoutePlanner, patches: dict[str, Any]) -> PostGradPasses:
-    """The ``"post_grad"`` stage for Inductor's ``post_grad_custom_post_pass``, keyed by the options and route
-    decisions, chained before a user's pass in ``patches`` or in Inductor's config."""
-    from torch._inductor import config as inductor_config
-
-    options: BackendOptions = context.options
-    state = json.dumps(
-        {"options": repr(options), "decisions": sorted(repr(d) for d in planner.decisions.values())}, sort_keys=True
-    )
-    user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-    return PostGradPasses(context, state, chained=user_pass)
+    recipe = CompileRecipe.prepare(gm, "dynamo", options, example_inputs, mode=mode)
+    with recipe.tracing():
+        compiled = compile_fx(gm, example_inputs, inner_compile=compile_fx_inner_patched, config_patches=recipe.patches)
+    return with_lazy_outputs(cast(Callable[..., Any], compiled), recipe.context.lazy_outputs)
 
 
 def compile_fx_inner_patched(*args: Any, **kwargs: Any) -> Any:
