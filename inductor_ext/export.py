@@ -22,7 +22,7 @@ from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.ops._library import route_ops
+from inductor_ext.library.registration import route_ops
 from inductor_ext.shared_weights import read_weights, share_weights
 from inductor_ext.tuning.database import TuningDatabase
 

@@ -19,9 +19,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.inductor",),
     ("inductor_ext.nn",),
     ("inductor_ext.ops",),
-    # inside ops: registration (_library and the op files) launches through _launch, which reads _launch_controls
-    ("inductor_ext.ops._launch",),
-    ("inductor_ext.ops._launch_controls",),
+    # the op-definition core under the op files: registration launches through launch, which reads launch_controls
+    ("inductor_ext.library",),
+    ("inductor_ext.library.launch",),
+    ("inductor_ext.library.launch_controls",),
     ("inductor_ext.tuning",),
     ("inductor_ext.kernels",),
     (

@@ -41,7 +41,7 @@ from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.recompute import GLU_FORWARDS, NORM_FORWARDS, mark_recompute
 from inductor_ext.inductor.rewrites import apply_rewrites
 from inductor_ext.inductor.sibling_projections import fuse_sibling_projections
-from inductor_ext.ops._library import route_ops
+from inductor_ext.library.registration import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 
 BACKEND_NAME = "fastops_inductor"

@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.cross_entropy import search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.fused_linear_cross_entropy import (
     MATMUL_ROW_ALIGN,
     WEIGHT_GRAD_ACCUMULATIONS,
