@@ -7,7 +7,6 @@ Importing the package registers the ``torch.ops.fastops.*`` operators and the
 from typing import Any
 
 from inductor_ext import models, nn
-from inductor_ext.export import ExportError, export, load
 from inductor_ext.inductor import backend as _backend  # noqa: F401  (registers "fastops_inductor")
 from inductor_ext.ops import (
     LoraProjection,
@@ -44,13 +43,14 @@ from inductor_ext.ops import (
     vocab_parallel_cross_entropy,
     vocab_parallel_fused_linear_cross_entropy,
 )
+from inductor_ext.runtime.export import ExportError, export, load
 from inductor_ext.version import __version__
 
 
 def __getattr__(name: str) -> Any:
-    """``export_generation`` and ``load_generation`` (:mod:`inductor_ext.generation`), imported on first use."""
+    """``export_generation`` and ``load_generation`` (:mod:`inductor_ext.runtime.generation`), imported on first use."""
     if name in ("export_generation", "load_generation"):
-        from inductor_ext import generation
+        from inductor_ext.runtime import generation
 
         return getattr(generation, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "inductor_ext"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.bench",),
-    # The package facade (inductor_ext/__init__.py) re-exports export, nn, ops and registers the backend.
-    ("inductor_ext", "inductor_ext.export", "inductor_ext.models", "inductor_ext.autotune", "inductor_ext.cpp_runner"),
+    # The package facade (inductor_ext/__init__.py) re-exports runtime's export, nn, ops and registers the backend.
+    ("inductor_ext", "inductor_ext.runtime", "inductor_ext.models", "inductor_ext.autotune"),
     ("inductor_ext.inductor",),
     ("inductor_ext.nn",),
     ("inductor_ext.ops",),
@@ -27,8 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.kernels",),
     (
         "inductor_ext.version",
-        "inductor_ext.tensor_file",
-        "inductor_ext.cxx_runtime",
+        "inductor_ext.runtime.tensor_file",  # leaves of runtime: they import nothing of the package
+        "inductor_ext.runtime.cxx_runtime",
         "inductor_ext._compat",
         "inductor_ext.env",
     ),
