@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The package facade (inductor_ext/__init__.py) re-exports runtime's export, nn, ops and registers the backend.
     ("inductor_ext", "inductor_ext.runtime", "inductor_ext.models", "inductor_ext.autotune"),
     ("inductor_ext.inductor",),
-    ("inductor_ext.nn",),
+    ("inductor_ext.nn", "inductor_ext.reference"),
     ("inductor_ext.ops",),
     # the op-definition core under the op files: registration launches through launch, which reads launch_controls
     ("inductor_ext.library",),
