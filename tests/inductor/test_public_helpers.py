@@ -1,8 +1,9 @@
 """The backend's modules share helpers only through public names, and check ops by identity.
 
 Each module under ``inductor_ext/inductor/`` is parsed with :mod:`ast`: a name it imports from
-another ``inductor_ext`` module must not start with an underscore (dunders such as ``__version__`` aside; a private module such as
-``inductor_ext._compat`` or ``library.registration`` may be imported; its private names may not).
+another ``inductor_ext`` module must not start with an underscore (dunders such as ``__version__`` aside; a private
+module such as ``inductor_ext._compat`` may be imported, from where tests/test_layering.py allows; its private names
+may not).
 """
 
 import ast
