@@ -20,7 +20,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench.train import MODELS, build_model
-from inductor_ext.cpp_runner import run_generate
+from inductor_ext.runtime.cpp_runner import run_generate
 
 
 def main() -> None:

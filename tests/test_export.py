@@ -172,7 +172,7 @@ def test_dynamic_batch_package(model, tmp_path):
 PROMOTION_CHECK = textwrap.dedent(
     """
     import ctypes, torch
-    from inductor_ext.cxx_runtime import loaded_cxx_runtimes, promote_cxx_runtime
+    from inductor_ext.runtime.cxx_runtime import loaded_cxx_runtimes, promote_cxx_runtime
     symbol = "_ZNSt6locale7classicEv"  # std::locale::classic(), defined only by libstdc++
     before = hasattr(ctypes.CDLL(None), symbol)
     paths = promote_cxx_runtime()
@@ -196,7 +196,7 @@ def test_load_promotes_the_runtime_only_for_a_wrapper_with_its_own_static_libstd
     """``inductor_ext.load``'s check (docs/export.md): a library linked with its own static libstdc++
     (C++ runtime symbols, ``libstdc++.so.6`` not needed) against one linked with the shared runtime and
     one in C, each alone in a package."""
-    from inductor_ext.cxx_runtime import carries_static_cxx_runtime
+    from inductor_ext.runtime.cxx_runtime import carries_static_cxx_runtime
 
     (tmp_path / "wrapper.cpp").write_text(
         '#include <locale>\nextern "C" int classic_locale_size() { return (int)std::locale::classic().name().size(); }\n'

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.cpp_runner import SOURCE_DIR, build_runner, default_build_dir, run_package
+from inductor_ext.runtime.cpp_runner import SOURCE_DIR, build_runner, default_build_dir, run_package
 from tests.test_export import HIDDEN, LlamaStyleBlock
 from tests.tolerances import OUTPUT, rel_err
 

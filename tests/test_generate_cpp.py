@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from inductor_ext.bench.train import build_model
-from inductor_ext.cpp_runner import build_generator, run_generate
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.tensor_file import write_tensors
+from inductor_ext.runtime.cpp_runner import build_generator, run_generate
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.tensor_file import write_tensors
 
 pytest.importorskip("transformers")
 

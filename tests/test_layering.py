@@ -1,8 +1,11 @@
-"""Every import inside the package points down the layer stack (data flows down: ops, then inductor, then models, bench and export).
+"""Every import inside the package points down the layer stack (data flows down: kernels, library, ops, then
+inductor, then models, runtime and bench), and no module imports another package's private module.
 
 Each module of ``inductor_ext`` is parsed with :mod:`ast`; its imports, function-local ones and
 ``importlib.import_module("inductor_ext....")`` included, may name modules of its own layer or
-of a layer below it, never one above.
+of a layer below it, never one above. A private module (a path component that starts with ``_``,
+dunders aside: ``inductor_ext.ops._layout``, ``inductor_ext._compat.torch_fixes``) may be imported only
+from inside the package that holds it (``inductor_ext.ops`` and its subpackages; ``inductor_ext``).
 """
 
 import ast
@@ -14,20 +17,21 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "inductor_ext"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.bench",),
-    # The package facade (inductor_ext/__init__.py) re-exports export, nn, ops and registers the backend.
-    ("inductor_ext", "inductor_ext.export", "inductor_ext.models", "inductor_ext.autotune", "inductor_ext.cpp_runner"),
+    # The package facade (inductor_ext/__init__.py) re-exports runtime's export, nn, ops and registers the backend.
+    ("inductor_ext", "inductor_ext.runtime", "inductor_ext.models", "inductor_ext.autotune"),
     ("inductor_ext.inductor",),
-    ("inductor_ext.nn",),
+    ("inductor_ext.nn", "inductor_ext.reference"),
     ("inductor_ext.ops",),
-    # inside ops: registration (_library and the op files) launches through _launch, which reads _launch_controls
-    ("inductor_ext.ops._launch",),
-    ("inductor_ext.ops._launch_controls",),
+    # the op-definition core under the op files: registration launches through launch, which reads launch_controls
+    ("inductor_ext.library",),
+    ("inductor_ext.library.launch",),
+    ("inductor_ext.library.launch_controls",),
     ("inductor_ext.tuning",),
     ("inductor_ext.kernels",),
     (
         "inductor_ext.version",
-        "inductor_ext.tensor_file",
-        "inductor_ext.cxx_runtime",
+        "inductor_ext.runtime.tensor_file",  # leaves of runtime: they import nothing of the package
+        "inductor_ext.runtime.cxx_runtime",
         "inductor_ext._compat",
         "inductor_ext.env",
     ),
@@ -90,6 +94,27 @@ def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, s
     return [(line, module) for line, module in found if module == "inductor_ext" or module.startswith("inductor_ext.")]
 
 
+def private_owner(module: str) -> str | None:
+    """The package that may import ``module`` when it is private (the path up to its first component
+    that starts with ``_``, dunders aside), or None for a public module."""
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("_") and not (part.startswith("__") and part.endswith("__")):
+            return ".".join(parts[:index])
+    return None
+
+
+def private_imports(path: Path, source: str | None = None) -> list[str]:
+    """``line: module`` for each private module of another package that ``path`` (or ``source``) imports."""
+    name = module_name(path)
+    found = []
+    for line, target in imported_modules(path, source):
+        owner = private_owner(target)
+        if owner is not None and name != owner and not name.startswith(owner + "."):
+            found.append(f"{line}: {target}")
+    return found
+
+
 MODULES = sorted(PACKAGE_DIR.rglob("*.py"))
 
 
@@ -123,3 +148,37 @@ def test_the_checker_sees_upward_and_lazy_imports() -> None:
     found = {module for _, module in imported_modules(path, source)}
     assert found == {"inductor_ext.tuning.database", "inductor_ext.inductor.choice", "inductor_ext.autotune.tune"}
     assert [layer_of(module) < layer_of("inductor_ext.ops.example") for module in sorted(found)] == [True, True, False]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE_DIR.parent)))
+def test_private_modules_stay_in_their_package(path: Path) -> None:
+    found = private_imports(path)
+    assert not found, (
+        f"{path.relative_to(PACKAGE_DIR.parent)} imports private modules of another package "
+        "(make the module public, or move the importer into its package):\n" + "\n".join(found)
+    )
+
+
+def test_the_checker_sees_private_modules_of_other_packages() -> None:
+    """From ``inductor`` the op package's private modules are out of bounds, however they are imported;
+    ``inductor_ext._compat`` (private to the whole package) is not; from inside ``ops`` all are allowed."""
+    source = (
+        "import inductor_ext.ops._layout\n"
+        "from inductor_ext.ops import _reduce\n"
+        "from inductor_ext.ops._split_gemm import float32_mm\n"
+        "from inductor_ext import _compat\n"
+        "from inductor_ext._compat import torch_fixes\n"
+        "from inductor_ext.library import registration\n"
+        "def f():\n"
+        "    from ..ops._gradient_tie import tied_to_gradient\n"
+    )
+    assert private_imports(PACKAGE_DIR / "inductor" / "example.py", source) == [
+        "1: inductor_ext.ops._layout",
+        "2: inductor_ext.ops._reduce",
+        "3: inductor_ext.ops._split_gemm",
+        "8: inductor_ext.ops._gradient_tie",
+    ]
+    assert private_imports(PACKAGE_DIR / "ops" / "example.py", source) == []
+    assert private_imports(PACKAGE_DIR / "ops" / "sub" / "example.py", source.replace("..ops", "...ops")) == []
+    assert private_owner("inductor_ext.ops.__init__") is None
+    assert private_owner("inductor_ext._compat.torch_fixes") == "inductor_ext"

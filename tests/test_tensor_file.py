@@ -1,10 +1,10 @@
-"""The tensor file format (``inductor_ext.tensor_file``; read in C++ by ``csrc/tensor_file.h``): every
+"""The tensor file format (``inductor_ext.runtime.tensor_file``; read in C++ by ``csrc/tensor_file.h``): every
 dtype it lists round-trips exactly, and bad bytes and unsupported dtypes are refused by name."""
 
 import pytest
 import torch
 
-from inductor_ext.tensor_file import DTYPES, decode_tensors, encode_tensors, read_tensors, write_tensors
+from inductor_ext.runtime.tensor_file import DTYPES, decode_tensors, encode_tensors, read_tensors, write_tensors
 
 
 def test_every_dtype_and_shape_round_trips(tmp_path):

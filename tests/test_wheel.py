@@ -42,7 +42,7 @@ def test_installed_wheel_builds_the_cpp_runner(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)  # fmt: skip
     script = (
-        "import inductor_ext, inductor_ext.cpp_runner as r, sys; "
+        "import inductor_ext, inductor_ext.runtime.cpp_runner as r, sys; "
         f"assert inductor_ext.__file__.startswith({str(target)!r}), inductor_ext.__file__; "
         f"print(r.build_runner(build_dir=__import__('pathlib').Path({str(tmp_path / 'build')!r})))"
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.ops._library import FAMILIES, OpFamily
+from inductor_ext.library.registration import FAMILIES, OpFamily
 from inductor_ext.tuning.timing import meta_templates, signature
 
 

@@ -21,7 +21,7 @@ from inductor_ext.autotune.calls import OpCall
 from inductor_ext.autotune.report import progress
 from inductor_ext.inductor.choice import RouteDecision, decide_routes, route_key
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._launch_controls import thorough_benchmarks
+from inductor_ext.library.launch_controls import thorough_benchmarks
 from inductor_ext.tuning.database import TuningDatabase
 
 UNTUNED = {"status": "untuned"}

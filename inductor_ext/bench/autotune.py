@@ -16,7 +16,7 @@ What is measured:
     (forward and backward) are timed again (``measure_routes``; our kernels keep the launch
     config picked while tuning); chosen route's time over the faster one's, flagged above 1.03.
     Then every config of each of our autotuned kernels is timed the same way with the config
-    forced (:func:`inductor_ext.ops._launch_controls.force_launch_config`): the config Triton's
+    forced (:func:`inductor_ext.library.launch_controls.force_launch_config`): the config Triton's
     autotuner picked while tuning over the fastest one's, flagged above 1.03.
 (c) **Warm vs cold compile** of one Llama-8B-sized decoder layer (:mod:`inductor_ext.bench.llama`,
     bf16, inference forward on 1 × 2048 tokens): ``torch.compile(backend="fastops_inductor")``
@@ -65,8 +65,8 @@ from inductor_ext.bench.harness import (
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._launch import candidate_configs, tuned_launch_config
-from inductor_ext.ops._launch_controls import force_launch_config, record_autotuned_launches
+from inductor_ext.library.launch import candidate_configs, tuned_launch_config
+from inductor_ext.library.launch_controls import force_launch_config, record_autotuned_launches
 from inductor_ext.tuning.database import TuningDatabase
 from inductor_ext.tuning.inputs import random_inputs
 

@@ -42,11 +42,11 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import create_function_from_signature
 
-import inductor_ext.ops._launch as ops_launch
+import inductor_ext.library.launch as ops_launch
 from inductor_ext.autotune.calls import load_calls
 from inductor_ext.autotune.report import format_table
 from inductor_ext.inductor.choice import capture_backward_args
-from inductor_ext.ops._launch_controls import dry_run_launches
+from inductor_ext.library.launch_controls import dry_run_launches
 
 COLUMNS = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

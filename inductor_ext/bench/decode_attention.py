@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
-from inductor_ext.generation.attention import sdpa_on_cache_heads
 from inductor_ext.ops.decode_attention import decode_attention
+from inductor_ext.runtime.generation.attention import sdpa_on_cache_heads
 
 SHAPES = [(1, 32, 8, 2112, 64), (8, 32, 8, 2112, 64), (64, 32, 8, 2112, 64), (1, 32, 8, 32768, 128)]
 

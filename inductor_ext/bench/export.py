@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_on_gpu(parser, argv)
     from tabulate import tabulate
 
-    from inductor_ext.cpp_runner import run_package
+    from inductor_ext.runtime.cpp_runner import run_package
 
     torch.manual_seed(0)
     model = LlamaStyleDecoder(layers=args.layers).cuda().to(torch.bfloat16).eval()

@@ -17,10 +17,10 @@ Providers:
   into one GEMM, and gate/up into one, over concatenated weights); no static decode graph (freezing
   folds the weights into each graph, which then cannot share them).
 - ``package_cpp_folded_sdpa`` and ``package_cpp_decode_attention``: ``package_cpp`` exported with
-  ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.generation.attention`).
+  ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.runtime.generation.attention`).
 - ``package_cpp_fused_projections``: ``package_cpp`` exported with ``fuse_projections=True``: the q/k/v
   and gate/up projections as one product each over weights concatenated at export, static decode graph
-  kept (:mod:`inductor_ext.generation.projections`).
+  kept (:mod:`inductor_ext.runtime.generation.projections`).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -140,7 +140,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     max_seq = args.prompt + args.new + 1
     with tempfile.TemporaryDirectory() as folder:
         if provider.startswith("package_"):
-            from inductor_ext.generation import export_generation, load_generation
+            from inductor_ext.runtime.generation import export_generation, load_generation
 
             start = time.perf_counter()
             options = {"freezing": True} if provider.endswith("_frozen") else None
@@ -156,7 +156,7 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         for batch in args.batches:
             ids = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
             if provider.startswith("package_cpp"):
-                from inductor_ext.cpp_runner import run_generate
+                from inductor_ext.runtime.cpp_runner import run_generate
 
                 ran = run_generate(path, ids, args.new, device=device, cuda_graph=device == "cuda",
                                    iters=args.repeats + 1)  # fmt: skip

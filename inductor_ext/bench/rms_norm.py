@@ -64,7 +64,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, copy_gbps: float) -> 
 
 def host_overhead_us(n: int = 4096, calls: int = 500, rounds: int = 15) -> dict[str, float]:
     """Host µs per eager fwd+bwd call on a tiny input: ours vs a bare autograd.Function around the same launches."""
-    from inductor_ext.ops._launch import DirectLaunch
+    from inductor_ext.library.launch import DirectLaunch
     from inductor_ext.ops.rms_norm import rms_norm_bwd_kernels, rms_norm_fwd_kernels
 
     launch = DirectLaunch()

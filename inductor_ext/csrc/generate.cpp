@@ -1,11 +1,11 @@
-// aoti_generate: generate tokens with a package from inductor_ext.generation.export_generation, no Python.
+// aoti_generate: generate tokens with a package from inductor_ext.runtime.generation.export_generation, no Python.
 //
 //   aoti_generate PACKAGE.pt2 PROMPT.bin OUT.bin --max-new-tokens N [--device cpu|cuda]
 //                 [--sample [--temperature T] [--top-k K] [--seed S]] [--cuda-graph] [--iters N]
 //
 // PROMPT.bin (a tensor file, format below) holds input_ids (b, T) int64 and optionally a second tensor,
 // the attention_mask (b, T) int64 of a left-padded batch. OUT.bin receives the (b, T + generated) int64
-// sequences. The loop is inductor_ext/generation/runtime.py's: one prefill call with the prompt (positions
+// sequences. The loop is inductor_ext/runtime/generation/runtime.py's: one prefill call with the prompt (positions
 // count only a row's real tokens), then one decode call per new token; a row that emits an end token
 // (package metadata) is finished and gets the pad token afterwards; the loop stops when every row is
 // finished or after N tokens. Greedy (argmax) by default; --sample divides the logits by the temperature
@@ -165,7 +165,7 @@ std::vector<int64_t> parse_ints(const std::string& text) {
   return values;
 }
 
-// What export_generation stored as the package's metadata (flat strings, see generation/export.py).
+// What export_generation stored as the package's metadata (flat strings, see runtime/generation/export.py).
 struct Metadata {
   int64_t max_batch_size, max_seq_len, vocab_size;
   std::vector<int64_t> kv_cache_shape, eos_token_ids, decode_batch_sizes;
@@ -212,7 +212,7 @@ struct Metadata {
   }
 };
 
-// The package's shared weights (inductor_ext/shared_weights.py) on `device`, by name (tied weights:
+// The package's shared weights (inductor_ext/runtime/shared_weights.py) on `device`, by name (tied weights:
 // several names, one tensor); empty if its models hold their own.
 std::unordered_map<std::string, at::Tensor> read_weights(const std::string& path, const at::Device& device) {
   caffe2::serialize::PyTorchStreamReader reader(path);
@@ -477,7 +477,7 @@ int main(int argc, char** argv) {
     ids = ids.to(at::Device(options.device)), mask = mask.to(at::Device(options.device));
     // every graph of the package over one copy of the weights, which `weights` keeps alive
     auto weights = read_weights(options.package, at::Device(options.device));
-    // the static decode graph for this batch, if the package has one (generation/metadata.py names it)
+    // the static decode graph for this batch, if the package has one (runtime/generation/metadata.py names it)
     std::unique_ptr<torch::inductor::AOTIModelPackageLoader> static_decode;
     const auto& sizes = metadata.decode_batch_sizes;
     if (std::find(sizes.begin(), sizes.end(), ids.size(0)) != sizes.end()) {

@@ -1,4 +1,4 @@
-// Tensor files (little-endian), written and read by inductor_ext.tensor_file:
+// Tensor files (little-endian), written and read by inductor_ext.runtime.tensor_file:
 //   "FOTF" magic, uint32 count, then per tensor:
 //   uint32 dtype code (0 f32, 1 bf16, 2 f16, 3 i64, 4 i32, 5 bool, 6 u8, 7 i8, 8 f64), uint32 ndim,
 //   int64 sizes[ndim], the contiguous data.

@@ -8,7 +8,7 @@ math (with the backend's multi-kernel setting), and keeps the faster; decisions 
 stored in the tuning database, so a later compile of the same shapes measures
 nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
 :meth:`RoutePlanner.traces_math` answers each op body (see
-:func:`inductor_ext.ops._library.route_ops`).
+:func:`inductor_ext.library.registration.route_ops`).
 """
 
 import concurrent.futures
@@ -28,8 +28,8 @@ from torch._ops import OpOverload
 
 from inductor_ext import _compat
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.ops._launch import tuned_launch_configs
-from inductor_ext.ops._library import (
+from inductor_ext.library.launch import tuned_launch_configs
+from inductor_ext.library.registration import (
     DECOMPOSITIONS,
     FAMILIES,
     FAMILY_OF,
@@ -202,7 +202,7 @@ def measure_routes(
     fake-tensor and dispatch modes, all thread-local), and the timing needs real tensors
     and an independent Inductor compile of the math. The worker, and the thread of that
     compile, run in a copy of the caller's context (``contextvars``): the launch settings of
-    :mod:`inductor_ext.ops._launch_controls` around the call (the standalone tuner's
+    :mod:`inductor_ext.library.launch_controls` around the call (the standalone tuner's
     ``thorough_benchmarks``, a forced config, a launch log) hold there, as do torch's config
     values (context variables in torch 2.13).
     """
@@ -277,7 +277,7 @@ def call_directions(
 
     The templates hold meta tensors; the backward's come from a forward on random inputs, freed
     on return, so that no timing holds another direction's inputs. A backward with an in-place
-    timing (``ops._library.IN_PLACE_TIMING``) whose largest input takes at least
+    timing (``library.registration.IN_PLACE_TIMING``) whose largest input takes at least
     ``IN_PLACE_TIMING_MIN_BYTES`` is timed writing its output over that input, on both routes.
     ``while_first_launch(direction, inputs)``, a context manager, is entered around each first
     launch with that launch's inputs: route timing compiles Inductor's route meanwhile, on them.

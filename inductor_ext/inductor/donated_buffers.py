@@ -14,7 +14,7 @@ so is the fused linear cross-entropy's backward, which scales the gradients its 
 (``dweight``, ``V H`` elements, and ``dhidden``) by ``grad_output`` into new buffers, at the
 backward's start. Eager, those ops write in place themselves (the GLU when its caller allows it).
 
-For each launch of a kernel in ``ops._library.OUTPUTS_OVER_DONATED`` (the op modules declare them
+For each launch of a kernel in ``library.registration.OUTPUTS_OVER_DONATED`` (the op modules declare them
 next to their kernels: ``may_write_over_input``) in a backward graph, each of its
 (input, output) pairs whose input is a donated graph input (or a view of one) that nothing reads
 after the launch, through any view, and whose output is a fresh ``empty`` buffer (or a view of
@@ -46,7 +46,7 @@ from torch.fx import Graph, Node
 from triton.runtime.autotuner import Autotuner
 
 import inductor_ext.ops  # noqa: F401  the op modules declare their kernels' in-place outputs
-from inductor_ext.ops import _library
+from inductor_ext.library import registration
 
 aten = torch.ops.aten
 
@@ -66,7 +66,7 @@ def write_over_donated_inputs(graph: Graph, donated_indices: list[int] | None) -
         kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
         tuner = kernel if isinstance(kernel, Autotuner) else None
         jit: Any = kernel if tuner is None else tuner.fn
-        variant = _library.OUTPUTS_OVER_DONATED.get(jit)
+        variant = registration.OUTPUTS_OVER_DONATED.get(jit)
         if variant is None or (tuner is not None and tuner.restore_value):
             continue  # not ours, or already writing in place
         arguments = _kernel_arguments(launch)

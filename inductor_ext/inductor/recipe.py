@@ -14,7 +14,7 @@ from inductor_ext import _compat
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.inductor.pipeline import PassContext, PostGradPasses, Stage, run_stage
-from inductor_ext.ops._library import route_ops
+from inductor_ext.library.registration import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 
 

@@ -20,7 +20,7 @@ eager nothing traces and ``t`` is returned as it is.
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._library import use_eager_bypass
+from inductor_ext.library.registration import use_eager_bypass
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

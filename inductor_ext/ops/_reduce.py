@@ -6,7 +6,7 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.reduce import sum_rows_kernel, sum_rows_tuned_kernel
-from inductor_ext.ops._launch import Launch
+from inductor_ext.library.launch import Launch
 
 INTERPRETER_BLOCK_N = 4096
 

@@ -45,15 +45,15 @@ from inductor_ext.kernels.cross_entropy import (
     cross_entropy_fwd_kernel,
     scale_rows_kernel,
 )
-from inductor_ext.ops._launch import Launch
-from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import (
+from inductor_ext.library.launch import Launch
+from inductor_ext.library.registration import (
     IN_PLACE_TIMING,
     InPlaceTiming,
     define_mutating_op,
     define_op_family,
     may_write_over_input,
 )
+from inductor_ext.ops._layout import unit_last_stride
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -31,9 +31,9 @@ from inductor_ext.kernels.decode_attention import (
     decode_attention_partial_kernel,
     decode_attention_partial_sum_kernel,
 )
-from inductor_ext.ops._launch import Launch, interpreter_enabled
+from inductor_ext.library.launch import Launch, interpreter_enabled
+from inductor_ext.library.registration import define_inference_op
 from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import define_inference_op
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inductor_ext.ops._launch import Launch
-from inductor_ext.ops._library import define_op_family
+from inductor_ext.library.launch import Launch
+from inductor_ext.library.registration import define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -79,8 +79,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from inductor_ext.ops._launch import DirectLaunch, Launch, kernels_run_on
-from inductor_ext.ops._library import backward_may_overwrite_saved, define_op_family, define_opaque_mutating_op
+from inductor_ext.library.launch import DirectLaunch, Launch, kernels_run_on
+from inductor_ext.library.registration import backward_may_overwrite_saved, define_op_family, define_opaque_mutating_op
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,

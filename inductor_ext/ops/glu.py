@@ -29,9 +29,14 @@ from inductor_ext.kernels.glu import (
     glu_fwd_kernel,
     glu_packed_bwd_inplace_kernel,
 )
-from inductor_ext.ops._launch import DirectLaunch, Launch, kernels_run_on
+from inductor_ext.library.launch import DirectLaunch, Launch, kernels_run_on
+from inductor_ext.library.registration import (
+    OpFamily,
+    backward_may_overwrite_saved,
+    define_op_family,
+    may_write_over_input,
+)
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
-from inductor_ext.ops._library import OpFamily, backward_may_overwrite_saved, define_op_family, may_write_over_input
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 APPROXIMATIONS = ("none", "tanh")

@@ -28,9 +28,9 @@ from inductor_ext.kernels.layer_norm import (
     layer_norm_fwd_kernel,
 )
 from inductor_ext.kernels.norm_config import programs_per_sm
-from inductor_ext.ops._launch import Launch, grid_stride_programs
+from inductor_ext.library.launch import Launch, grid_stride_programs
+from inductor_ext.library.registration import define_op_family
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
-from inductor_ext.ops._library import define_op_family
 from inductor_ext.ops._reduce import sum_partial_rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

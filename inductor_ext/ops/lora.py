@@ -85,10 +85,10 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
+from inductor_ext.library.launch import Launch
+from inductor_ext.library.registration import define_op_family, define_opaque_mutating_op
 from inductor_ext.ops._gradient_tie import tied_to_gradient
-from inductor_ext.ops._launch import Launch
 from inductor_ext.ops._layout import rows_2d
-from inductor_ext.ops._library import define_op_family, define_opaque_mutating_op
 from inductor_ext.ops._split_gemm import float32_mm, float32_mm_upcasts
 from inductor_ext.ops.glu import (
     geglu_ref,

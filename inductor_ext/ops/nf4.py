@@ -25,9 +25,9 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.nf4 import BLOCK, NESTED_BLOCKSIZE, NUM_WARPS, nf4_dequantize_kernel
+from inductor_ext.library.launch import DirectLaunch, Launch, TraceableLaunch, kernels_run_on
+from inductor_ext.library.registration import use_eager_bypass
 from inductor_ext.ops._gradient_tie import tied_to_gradient
-from inductor_ext.ops._launch import DirectLaunch, Launch, TraceableLaunch, kernels_run_on
-from inductor_ext.ops._library import use_eager_bypass
 
 DEQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -29,9 +29,9 @@ import triton
 from torch import Tensor
 
 from inductor_ext.kernels.rope import MAX_HEAD_DIM, rope_inplace_kernel, rope_kernel
-from inductor_ext.ops._launch import Launch
+from inductor_ext.library.launch import Launch
+from inductor_ext.library.registration import define_mutating_op, define_op_family
 from inductor_ext.ops._layout import unit_last_stride
-from inductor_ext.ops._library import define_mutating_op, define_op_family
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 POSITION_DTYPES = (torch.int32, torch.int64)

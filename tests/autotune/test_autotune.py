@@ -518,7 +518,7 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     """A config picked while timing comes back for the same launch key (and only for it), and a traced
     launch then offers Inductor that config alone, restore_value kept."""
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
-    from inductor_ext.ops._launch import launch_key, pruned_autotuner
+    from inductor_ext.library.launch import launch_key, pruned_autotuner
     from inductor_ext.tuning.kernel_configs import records, stored_config
 
     args, kwargs = _ce_launch(5000)

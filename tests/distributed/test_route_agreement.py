@@ -21,7 +21,7 @@ def _run(rank: int, world_size: int, results_path: str) -> None:
 
     from inductor_ext.inductor import choice
     from inductor_ext.inductor.options import parse_options
-    from inductor_ext.ops._library import FAMILIES
+    from inductor_ext.library.registration import FAMILIES
     from inductor_ext.tuning.database import TuningDatabase
 
     family = next(f for f in FAMILIES.values() if f.name == "rms_norm")

@@ -1,4 +1,4 @@
-"""The generation step's attention choices (``inductor_ext.generation.attention``): :func:`folded_sdpa`
+"""The generation step's attention choices (``inductor_ext.runtime.generation.attention``): :func:`folded_sdpa`
 and :func:`decode_kernel_attention` equal transformers' SDPA attention for decode- and prefill-shaped
 calls with padded masks; the step attends on the cache's own key/value heads with either, and as
 transformers does with ``"sdpa"``; packages of both generate transformers' tokens (a strided prompt
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from inductor_ext.bench.train import build_model
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.attention import decode_kernel_attention, folded_sdpa, generation_attention
-from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
-from inductor_ext.generation.step import GenerationStep
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.generation.attention import decode_kernel_attention, folded_sdpa, generation_attention
+from inductor_ext.runtime.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.runtime.generation.step import GenerationStep
 
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -79,7 +79,7 @@ def test_the_step_attends_on_the_cache_heads_as_chosen(model, attention, tokens)
     with (
         torch.no_grad(),
         mock.patch("torch.nn.functional.scaled_dot_product_attention", recording_sdpa),
-        mock.patch("inductor_ext.generation.attention.decode_attention", recording_op),
+        mock.patch("inductor_ext.runtime.generation.attention.decode_attention", recording_op),
     ):
         step(ids, torch.arange(tokens).expand(batch, tokens), torch.arange(tokens), torch.ones(batch, seq), cache)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

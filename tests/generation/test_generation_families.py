@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from inductor_ext.bench.train import build_model
-from inductor_ext.cpp_runner import run_generate
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.shared_weights import read_weights
+from inductor_ext.runtime.cpp_runner import run_generate
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.shared_weights import read_weights
 
 pytest.importorskip("transformers")
 

@@ -9,10 +9,10 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench.train import build_model
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
-from inductor_ext.generation.step import GenerationStep
-from inductor_ext.shared_weights import read_weights
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.runtime.generation.step import GenerationStep
+from inductor_ext.runtime.shared_weights import read_weights
 
 pytest.importorskip("transformers")
 

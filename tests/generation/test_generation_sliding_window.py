@@ -7,8 +7,8 @@ A model whose attention the step cannot reproduce is refused when the step is bu
 import pytest
 import torch
 
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.step import attention_windows
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.generation.step import attention_windows
 
 transformers = pytest.importorskip("transformers")
 

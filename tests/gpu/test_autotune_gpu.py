@@ -82,7 +82,7 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     import triton
 
     from inductor_ext.kernels.rms_norm import rms_norm_fwd_kernel
-    from inductor_ext.ops._launch import candidate_configs, precompile_configs
+    from inductor_ext.library.launch import candidate_configs, precompile_configs
 
     m, n = 300, 5000  # a row length no other test launches, so nothing is compiled yet
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
     """DirectLaunch's first launch autotunes the first QUICK_FIRST_LAUNCH_CONFIGS configs with
     AUTOTUNE_BENCH_MS each; later launches time nothing."""
 
-    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
+    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
 
     budgets = _record_benchmark_budgets(monkeypatch)
     x = torch.randn(333, 2999, device="cuda", dtype=torch.bfloat16)  # a row length no other test launches
@@ -137,8 +137,8 @@ def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
     """Within thorough_benchmarks (the standalone tuner's setting) a first launch times every candidate
     config with Triton's default budget; outside, the first QUICK_FIRST_LAUNCH_CONFIGS with AUTOTUNE_BENCH_MS."""
 
-    from inductor_ext.ops._launch import candidate_configs
-    from inductor_ext.ops._launch_controls import (
+    from inductor_ext.library.launch import candidate_configs
+    from inductor_ext.library.launch_controls import (
         AUTOTUNE_BENCH_MS,
         QUICK_FIRST_LAUNCH_CONFIGS,
         record_autotuned_launches,

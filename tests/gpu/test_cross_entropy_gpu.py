@@ -6,7 +6,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.kernels.cross_entropy import bwd_search_space, search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 from tests.tolerances import rel_err

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.kernels.decode_attention import decode_attention_partial_kernel, decode_attention_partial_sum_kernel
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
 from tests.tolerances import rel_err
 

@@ -11,7 +11,7 @@ from torch._inductor import config
 
 import inductor_ext  # noqa: F401
 from inductor_ext import fused_linear_cross_entropy, swiglu
-from inductor_ext.ops import _library
+from inductor_ext.library import registration
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES
 from tests.tolerances import rel_err
 
@@ -61,7 +61,7 @@ def test_backward_writes_over_donated_activations_and_gradients(monkeypatch):
         ours, allocated = _step(model, x, labels, compiled=True)
         written = dict(counters["inductor_ext"])
         torch._dynamo.reset()
-        monkeypatch.setattr(_library, "OUTPUTS_OVER_DONATED", {})
+        monkeypatch.setattr(registration, "OUTPUTS_OVER_DONATED", {})
         _, allocated_without = _step(model, x, labels, compiled=True)
 
     assert written["in_place_over_donated:glu_bwd_kernel.DGATE"] == 1

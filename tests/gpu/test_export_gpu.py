@@ -13,12 +13,12 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench.llama import LlamaStyleDecoder
-from inductor_ext.cpp_runner import run_package
+from inductor_ext.runtime.cpp_runner import run_package
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CXX_RUNTIME = Path(inductor_ext.__file__).parent / "cxx_runtime.py"
+CXX_RUNTIME = Path(inductor_ext.__file__).parent / "runtime" / "cxx_runtime.py"
 LOAD_WITHOUT_INDUCTOR_EXT = textwrap.dedent(
     """
     import importlib.util, sys, torch

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from inductor_ext.bench.train import build_model
-from inductor_ext.cpp_runner import run_generate
-from inductor_ext.generation import export_generation, load_generation
-from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
-from inductor_ext.generation.step import GenerationStep
+from inductor_ext.runtime.cpp_runner import run_generate
+from inductor_ext.runtime.generation import export_generation, load_generation
+from inductor_ext.runtime.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.runtime.generation.step import GenerationStep
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

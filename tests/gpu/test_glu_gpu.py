@@ -6,7 +6,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.kernels.glu import search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.glu import (
     geglu,
     geglu_packed,

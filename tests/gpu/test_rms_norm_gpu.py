@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
+from inductor_ext.ops.rms_norm import rms_norm
+from inductor_ext.reference import add_rms_norm_ref, rms_norm_ref
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 from tests.tolerances import rel_err
 
@@ -51,7 +52,7 @@ def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting)
 
 def test_every_config_is_correct():
     from inductor_ext.kernels.norm_config import search_space
-    from inductor_ext.ops._launch_controls import force_launch_config
+    from inductor_ext.library.launch_controls import force_launch_config
 
     for n in (4096, 12288, 16384, 70000):  # 12288: padded to a 16384-wide block
         x = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
@@ -110,11 +111,9 @@ def test_add_rms_norm_matches_float64_as_closely_as_compiled_reference(shape):
     w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
     ours = _residual_grads(inductor_ext.add_rms_norm, x, r, w, dy, dh_out)
     assert torch.equal(ours[1], x + r)  # the sum rounded like the eager add
-    ref = _residual_grads(
-        inductor_ext.add_rms_norm_ref, x.double(), r.double(), w.double(), dy.double(), dh_out.double()
-    )
-    compiled = _residual_grads(torch.compile(inductor_ext.add_rms_norm_ref), x, r, w, dy, dh_out)
-    eager = _residual_grads(inductor_ext.add_rms_norm_ref, x, r, w, dy, dh_out)
+    ref = _residual_grads(add_rms_norm_ref, x.double(), r.double(), w.double(), dy.double(), dh_out.double())
+    compiled = _residual_grads(torch.compile(add_rms_norm_ref), x, r, w, dy, dh_out)
+    eager = _residual_grads(add_rms_norm_ref, x, r, w, dy, dh_out)
     for name, o, c, e, ref_ in zip(("y", "h", "dx", "dr", "dw"), ours, compiled, eager, ref):
         bound = max(rel_err(c, ref_), rel_err(e, ref_))  # y: HF's rounding of x_hat, as in the test above
         assert rel_err(o, ref_) <= 1.1 * bound + 2e-6, (name, rel_err(o, ref_), rel_err(c, ref_), rel_err(e, ref_))

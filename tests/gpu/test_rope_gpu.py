@@ -8,7 +8,7 @@ import triton
 
 import inductor_ext
 from inductor_ext.kernels.rope import search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,

@@ -415,7 +415,7 @@ def test_inductor_route_is_traced_without_running_the_math():
     from torch._subclasses.fake_tensor import FakeTensor
 
     from inductor_ext.inductor import choice
-    from inductor_ext.ops._library import DECOMPOSITIONS
+    from inductor_ext.library.registration import DECOMPOSITIONS
 
     math = DECOMPOSITIONS[torch.ops.fastops.cross_entropy_fwd.default]
     seen = []
@@ -445,7 +445,7 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     direction keeps the functional op's name, under which the decision is stored."""
     from inductor_ext.inductor import choice
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
-    from inductor_ext.ops._launch_controls import record_autotuned_launches
+    from inductor_ext.library.launch_controls import record_autotuned_launches
     from inductor_ext.ops.cross_entropy import cross_entropy_family
 
     monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
@@ -483,7 +483,7 @@ def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
 
     from inductor_ext.inductor import choice
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
-    from inductor_ext.ops._launch_controls import (
+    from inductor_ext.library.launch_controls import (
         autotuned_launch_log,
         force_launch_config,
         forced_launch_config,

@@ -78,7 +78,7 @@ def _backward_graph(*, read_after: bool = False, other_shape: bool = False, kern
     ],
 )
 def test_gradient_is_written_over_donated_logits(traced):
-    """The base autotuner, or one as an op body traces it (``ops._launch.pruned_autotuner``: configs narrowed)."""
+    """The base autotuner, or one as an op body traces it (``library.launch.pruned_autotuner``: configs narrowed)."""
     graph, logits = _backward_graph(kernel=traced)
 
     assert write_over_donated_inputs(graph, [0]) == 1

@@ -4,9 +4,10 @@ config, under the interpreter on CPU), the gradient of the sum's other uses, op 
 import pytest
 import torch
 
-from inductor_ext import add_rms_norm, add_rms_norm_ref, rms_norm_ref
+from inductor_ext import add_rms_norm
 from inductor_ext.kernels.norm_config import search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
+from inductor_ext.reference import add_rms_norm_ref, rms_norm_ref
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inductor_ext.kernels.decode_attention import KEYS_PER_SPLIT, partial_configs
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
 from tests.tolerances import OUTPUT, rel_err
 

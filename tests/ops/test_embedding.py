@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import inductor_ext
-from inductor_ext.ops._launch import interpreter_enabled
+from inductor_ext.library.launch import interpreter_enabled
 from inductor_ext.ops.embedding import embedding
 from tests.tolerances import reduced_grad, rel_err
 

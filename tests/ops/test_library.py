@@ -13,7 +13,7 @@ from inductor_ext.kernels.cross_entropy import (
     scale_rows_kernel,
     search_space,
 )
-from inductor_ext.ops._launch import pruned_autotuner
+from inductor_ext.library.launch import pruned_autotuner
 
 
 def _inplace_args(v: int) -> tuple:
@@ -40,7 +40,7 @@ def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
     """torch's kernel tracing re-wraps a pruning autotuner without ``restore_value``; ours must keep it.
     Inductor tunes the traced launch at compile time, so it gets a quick first launch's configs (the
     search space's first QUICK_FIRST_LAUNCH_CONFIGS); within thorough_benchmarks, all of them."""
-    from inductor_ext.ops._launch_controls import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.library.launch_controls import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
 
     for v in (100, 32000, 262144):
         for thorough in (False, True):
@@ -90,8 +90,8 @@ def test_a_first_launch_tunes_on_an_autotuner_of_its_own(thorough):
     another thread may be running and which Inductor reads, keeps its configs and benchmark settings."""
     from inductor_ext.kernels.norm_config import search_space as norm_search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.ops._launch import candidate_configs, first_launch_autotuner
-    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.library.launch import candidate_configs, first_launch_autotuner
+    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
 
     args, kwargs = _rms_norm_bwd_args(4096), {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
     everything = rms_norm_bwd_kernel.configs
@@ -119,7 +119,7 @@ def test_a_first_launch_tunes_on_an_autotuner_of_its_own(thorough):
 @pytest.fixture
 def no_tuned_launches():
     """The eager picks' registry empty for the test, and emptied after it."""
-    from inductor_ext.ops._launch import clear_tuned_launch_configs
+    from inductor_ext.library.launch import clear_tuned_launch_configs
 
     clear_tuned_launch_configs()
     yield
@@ -131,15 +131,15 @@ def test_a_first_launch_times_once_and_records_its_pick(monkeypatch, no_tuned_la
     ``do_bench`` (which the quick budget wraps) rates the second quick config fastest. The first launch
     times the quick configs once each and records that pick, which later launches use without timing;
     the kernel's own autotuner is left as it was, and the registry is read through copies."""
-    from inductor_ext.ops import _launch
-    from inductor_ext.ops._launch import (
+    from inductor_ext.library import launch as launch_module
+    from inductor_ext.library.launch import (
         DirectLaunch,
         candidate_configs,
         launch_key,
         tuned_launch_config,
         tuned_launch_configs,
     )
-    from inductor_ext.ops._launch_controls import AUTOTUNE_BENCH_MS, quick_configs, record_autotuned_launches
+    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, quick_configs, record_autotuned_launches
     from inductor_ext.ops.rms_norm import rms_norm_fwd_kernels, rms_norm_ref
 
     timed = []
@@ -153,7 +153,7 @@ def test_a_first_launch_times_once_and_records_its_pick(monkeypatch, no_tuned_la
     compiled = []
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     # (compiling ahead of the timing is Triton's warm-up, which needs a GPU)
-    monkeypatch.setattr(_launch, "precompile_configs", lambda kernel, grid, args, kwargs: compiled.append(kernel))
+    monkeypatch.setattr(launch_module, "precompile_configs", lambda kernel, grid, args, kwargs: compiled.append(kernel))
     x, w = torch.randn(6, 300), torch.randn(300)
     launch = DirectLaunch(interpreter=False)
     with record_autotuned_launches() as launches:
@@ -196,7 +196,7 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
 
     from inductor_ext.kernels.norm_config import search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.ops._launch import precompile_configs
+    from inductor_ext.library.launch import precompile_configs
 
     n, compiled = 3000, []
 
@@ -219,7 +219,7 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
 
 
 def test_thorough_benchmarks_turn_the_quick_first_launch_off_only_within():
-    from inductor_ext.ops._launch_controls import quick_first_launch_enabled, thorough_benchmarks
+    from inductor_ext.library.launch_controls import quick_first_launch_enabled, thorough_benchmarks
 
     assert quick_first_launch_enabled()
     with pytest.raises(RuntimeError, match="inside"), thorough_benchmarks():
@@ -234,7 +234,7 @@ def test_launch_settings_hold_in_their_own_thread_only():
     import concurrent.futures
     import contextvars
 
-    from inductor_ext.ops._launch_controls import (
+    from inductor_ext.library.launch_controls import (
         autotuned_launch_log,
         force_launch_config,
         forced_launch_config,

@@ -437,7 +437,7 @@ def test_inductor_route_compiles_the_math_over_4bit_constants():
     the decision by the constants' shapes."""
     from inductor_ext.inductor.choice import compile_math
     from inductor_ext.inductor.options import BackendOptions
-    from inductor_ext.ops._library import DECOMPOSITIONS
+    from inductor_ext.library.registration import DECOMPOSITIONS
     from inductor_ext.tuning.inputs import random_inputs
     from inductor_ext.tuning.timing import meta_templates, signature
 

@@ -5,7 +5,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.kernels.norm_config import search_space
-from inductor_ext.ops._launch_controls import force_launch_config
+from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from inductor_ext.kernels.reduce import SUM_ROWS_CONFIGS, sum_rows_kernel
-from inductor_ext.ops._launch import DirectLaunch, interpreter_enabled
+from inductor_ext.library.launch import DirectLaunch, interpreter_enabled
 from inductor_ext.ops._reduce import sum_partial_rows
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="runs the kernel in Triton's interpreter")

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from inductor_ext.inductor.graph_queries import eliminate_dead_code, value, with_value
-from inductor_ext.ops._library import OpFamily
+from inductor_ext.library.registration import OpFamily
 
 Rewrite = Callable[[Node], Node | None]
 

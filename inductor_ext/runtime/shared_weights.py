@@ -1,12 +1,12 @@
 """The weights of a package with several models (a generation package), stored once and shared.
 
 AOTInductor embeds each model's weights in its own library by default, which would store and load a
-1B model's 2.5 GB once per graph of a generation package (:mod:`inductor_ext.generation.export`).
+1B model's 2.5 GB once per graph of a generation package (:mod:`inductor_ext.runtime.generation.export`).
 Instead every model is compiled without its weights (``aot_inductor.package_constants_in_so=False``)
 and the package holds them once, as the record :data:`WEIGHTS` (the tensor file format,
-:mod:`inductor_ext.tensor_file`, which the C++ loop reads too) and :data:`NAMES` (line ``i``: the
+:mod:`inductor_ext.runtime.tensor_file`, which the C++ loop reads too) and :data:`NAMES` (line ``i``: the
 space-separated names of tensor ``i``, several where the model ties weights). A runtime
-(:func:`inductor_ext.load_models`, ``csrc/generate.cpp``) reads them onto the device once and hands the
+(:func:`inductor_ext.runtime.export.load_models`, ``csrc/generate.cpp``) reads them onto the device once and hands the
 same tensors to every model as user-managed constants (no copy; the runtime keeps them alive).
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.export.pt2_archive._package import PT2ArchiveReader, PT2ArchiveWriter, _package_aoti_files
 
-from inductor_ext.tensor_file import decode_tensors, encode_tensors
+from inductor_ext.runtime.tensor_file import decode_tensors, encode_tensors
 
 WEIGHTS = "inductor_ext/weights"
 NAMES = "inductor_ext/weight_names"

@@ -1,5 +1,5 @@
 """The tensor file format the C++ runner (``inductor_ext/csrc/aoti_runner.cpp``) reads and writes, and
-the format of a generation package's weights record (:mod:`inductor_ext.shared_weights`).
+the format of a generation package's weights record (:mod:`inductor_ext.runtime.shared_weights`).
 
 Little-endian: ``b"FOTF"``, uint32 count, then per tensor: uint32 dtype code, uint32
 ndim, int64 sizes[ndim] and the contiguous data (CPU). Small and dependency-free on

@@ -6,7 +6,7 @@ elsewhere at the same time. Work handed to another thread sees a setting only wh
 copy of the caller's context (``contextvars.copy_context().run``): route timing
 (:func:`inductor_ext.inductor.choice.measure_routes`) does so for its worker threads.
 
-Read by the launches (:mod:`inductor_ext.ops._launch`); imports nothing of the package.
+Read by the launches (:mod:`inductor_ext.library.launch`); imports nothing of the package.
 """
 
 import contextlib
@@ -78,7 +78,7 @@ def _setting(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
 def quick_first_launch_enabled() -> bool:
     """Whether first launches are quick here: they time the first :data:`QUICK_FIRST_LAUNCH_CONFIGS`
     configs for :data:`AUTOTUNE_BENCH_MS` each, and so does Inductor when it tunes a traced launch
-    (``ops._launch.pruned_autotuner``). False within :func:`thorough_benchmarks`: every config,
+    (``library.launch.pruned_autotuner``). False within :func:`thorough_benchmarks`: every config,
     Triton's full budget."""
     return not _thorough.get()
 

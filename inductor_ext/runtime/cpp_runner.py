@@ -4,7 +4,7 @@ and the generation loop (``inductor_ext/csrc/generate.cpp``).
 Both load a ``.pt2`` package with ``torch::inductor::AOTIModelPackageLoader`` and run it
 with no Python in the process; these helpers build them with CMake against the installed
 torch (once per torch version, cached) and exchange tensors with them through
-:mod:`inductor_ext.tensor_file`.
+:mod:`inductor_ext.runtime.tensor_file`.
 """
 
 import dataclasses
@@ -19,10 +19,10 @@ from pathlib import Path
 import filelock
 import torch
 
-from inductor_ext.tensor_file import read_tensors, write_tensors
+from inductor_ext.runtime.tensor_file import read_tensors, write_tensors
 from inductor_ext.tuning.database import cache_dir
 
-SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +125,9 @@ def run_generate(
     device: str = "cpu", sample: bool = False, temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
     cuda_graph: bool = False, iters: int = 1, executable: Path | None = None,
 ) -> GenerateResult:  # fmt: skip
-    """Generate with ``package`` (from :func:`inductor_ext.generation.export_generation`) in ``aoti_generate``.
+    """Generate with ``package`` (from :func:`inductor_ext.runtime.generation.export_generation`) in ``aoti_generate``.
 
-    The loop of :meth:`inductor_ext.generation.GenerationPackage.generate` in a separate process with no
+    The loop of :meth:`inductor_ext.runtime.generation.GenerationPackage.generate` in a separate process with no
     Python: greedy unless ``sample`` (then ``temperature``, ``top_k`` (None: the whole vocabulary) and
     ``seed`` apply; the draws are reproducible but not Python's). ``attention_mask`` marks a left-padded
     batch's real tokens. The generation runs ``iters`` times for the timings; the tokens are the first run's.

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 PREFIX = "inductor_ext.generation."
+"""A key prefix of the package format (``csrc/generate.cpp`` reads it as ``kPrefix``), not this module's path."""
 
 
 def encode(values: Mapping[str, Any]) -> dict[str, str]:

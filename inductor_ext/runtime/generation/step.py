@@ -4,11 +4,11 @@
 for the prefill, 1 for a decode step), writes their keys and values into the cache at
 ``cache_position`` and returns the float32 logits of each sequence's last token. The package
 exports it with a dynamic batch and token count (prefill and decode) and with static shapes for
-chosen decode batch sizes (:mod:`inductor_ext.generation.export`).
+chosen decode batch sizes (:mod:`inductor_ext.runtime.generation.export`).
 
 The cache is owned by the caller and updated in place: one tensor ``(layers, 2, max_batch, kv_heads,
 max_seq_len, head_dim)`` whose per-layer keys and values (``cache[layer, 0 or 1, :b]``, each contiguous)
-the step takes as a list (:mod:`inductor_ext.generation.cache_layout`). The prefill and every decode step
+the step takes as a list (:mod:`inductor_ext.runtime.generation.cache_layout`). The prefill and every decode step
 see the same storage, and a C++ loop can capture the decode step in a CUDA graph over fixed addresses.
 One input per layer's keys and values, not the whole cache as one input: an in-place write into a view
 of an input becomes a copy of the whole input in the compiled graph, once per layer (measured on the
@@ -22,7 +22,7 @@ real tokens, padding slots are never attended). The boolean masks are passed to 
 which transformers uses as they are: one tensor when every layer attends alike, else one per layer type
 (``config.layer_types``), as transformers' own mask mapping. :func:`attention_windows` reads each layer's
 window from the config and refuses a model whose attention it cannot reproduce. A model that
-runs SDPA attends as ``attention`` chooses (:mod:`inductor_ext.generation.attention`): transformers'
+runs SDPA attends as ``attention`` chooses (:mod:`inductor_ext.runtime.generation.attention`): transformers'
 SDPA attention by default, or attention on the cache's own key/value heads.
 """
 
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from inductor_ext.generation.attention import check_attention_choice, generation_attention
+from inductor_ext.runtime.generation.attention import check_attention_choice, generation_attention
 
 LAYER_TYPE_WINDOWS = {"full_attention": False, "sliding_attention": True}
 """The ``config.layer_types`` the step reproduces -> whether the layer applies ``config.sliding_window``."""
@@ -123,10 +123,10 @@ class GenerationStep(nn.Module):
     - ``attention_mask``: ``(b, max_seq_len)``; 1 where a slot holds a real token (HF's 2-D mask padded
       with zeros to the cache length).
     - ``kv_cache``: ``[keys_0, values_0, keys_1, ...]``, each ``(b, kv_heads, max_seq_len, head_dim)``, updated
-      in place (:func:`inductor_ext.generation.cache_layout.layer_caches`).
+      in place (:func:`inductor_ext.runtime.generation.cache_layout.layer_caches`).
     - returns ``(b, vocab)`` float32: the logits of each row's last new token.
 
-    ``attention``: one of :data:`~inductor_ext.generation.attention.ATTENTION_CHOICES` (``"sdpa"``:
+    ``attention``: one of :data:`~inductor_ext.runtime.generation.attention.ATTENTION_CHOICES` (``"sdpa"``:
     transformers' attention as the model has it).
     """
 

@@ -1,6 +1,6 @@
 """The KV cache of a generation package: one caller-owned tensor ``(layers, 2, max_batch, kv_heads,
 max_seq_len, head_dim)``; the step takes each layer's keys and values (the first ``b`` rows, each a
-contiguous block) as a list (:mod:`inductor_ext.generation.step` says why)."""
+contiguous block) as a list (:mod:`inductor_ext.runtime.generation.step` says why)."""
 
 from typing import Any
 

@@ -1,7 +1,7 @@
 """``export_generation``: an HF causal LM's prefill and decode step as one AOTInductor package.
 
-The package holds :class:`~inductor_ext.generation.step.GenerationStep` as several graphs over one copy
-of the weights (:mod:`inductor_ext.shared_weights`):
+The package holds :class:`~inductor_ext.runtime.generation.step.GenerationStep` as several graphs over one copy
+of the weights (:mod:`inductor_ext.runtime.shared_weights`):
 
 - ``"model"``: a dynamic batch (1..``max_batch_size``) and a dynamic number of new tokens
   (1..``max_seq_len``): the prefill is a call with the prompt's tokens, a decode step at any batch a
@@ -14,7 +14,7 @@ of the weights (:mod:`inductor_ext.shared_weights`):
 
 The caller owns the KV cache, which every call updates in place. What the runtime needs to allocate
 the cache and stop generating is stored as the package's metadata (read by
-:func:`inductor_ext.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
+:func:`inductor_ext.runtime.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
 """
 
 from collections.abc import Mapping, Sequence
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from inductor_ext.export import compile_program, export_program
-from inductor_ext.generation.attention import check_attention_choice
-from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
-from inductor_ext.generation.metadata import decode_graph_name, encode
-from inductor_ext.generation.step import GenerationStep
-from inductor_ext.shared_weights import program_weights, write_package
+from inductor_ext.runtime.export import compile_program, export_program
+from inductor_ext.runtime.generation.attention import check_attention_choice
+from inductor_ext.runtime.generation.cache_layout import kv_cache_shape, layer_caches
+from inductor_ext.runtime.generation.metadata import decode_graph_name, encode
+from inductor_ext.runtime.generation.step import GenerationStep
+from inductor_ext.runtime.shared_weights import program_weights, write_package
 
 DECODE_GRAPH_OPTIONS = {"coordinate_descent_tuning": True, "fastops.route": "inductor"}
 """Options of the static decode graphs (``options`` passed to ``export_generation`` override them):
@@ -71,7 +71,7 @@ def export_generation(
     ``max_seq_len`` bounds prompt plus generated tokens (the cache's length); ``max_batch_size`` the
     sequences generated together. ``options`` are :func:`inductor_ext.export`'s (the backend's
     ``fastops.*`` options and Inductor config patches). The model runs in its own dtype and device.
-    ``attention`` (for a model that runs SDPA; :mod:`inductor_ext.generation.attention`): ``"sdpa"``
+    ``attention`` (for a model that runs SDPA; :mod:`inductor_ext.runtime.generation.attention`): ``"sdpa"``
     (default), transformers' SDPA attention, which repeats the key/value heads of a grouped-query model;
     ``"folded_sdpa"``, SDPA on the cache's own key/value heads with the query heads folded into rows;
     ``"decode_attention"``, our decode-attention op. On the H200 (Llama-3.2-1B shape, 2048-token prompt,

@@ -1,4 +1,4 @@
-"""``load_generation``: run a package from :func:`~inductor_ext.generation.export_generation` as
+"""``load_generation``: run a package from :func:`~inductor_ext.runtime.generation.export_generation` as
 transformers' ``generate`` does, greedy or sampled, with the KV cache owned here.
 
 The loop, per call of :meth:`GenerationPackage.generate`: one prefill call with the prompt (its
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inductor_ext.export import load_models
-from inductor_ext.generation.cache_layout import layer_caches
-from inductor_ext.generation.metadata import decode, decode_graph_name
+from inductor_ext.runtime.export import load_models
+from inductor_ext.runtime.generation.cache_layout import layer_caches
+from inductor_ext.runtime.generation.metadata import decode, decode_graph_name
 
 
 class GenerationPackage:
@@ -146,5 +146,5 @@ class GenerationPackage:
 
 
 def load_generation(path: str | Path, device: torch.device | str | None = None) -> GenerationPackage:
-    """Load a package written by :func:`~inductor_ext.generation.export_generation`."""
+    """Load a package written by :func:`~inductor_ext.runtime.generation.export_generation`."""
     return GenerationPackage(path, device)

@@ -20,8 +20,8 @@ The same aten math is registered in :data:`DECOMPOSITIONS` for the
 ``fastops_inductor`` backend's Inductor route.
 
 This module registers ops and finds them (:data:`FAMILIES`, :data:`FAMILY_OF`); the launches an
-op's kernels go through are :mod:`inductor_ext.ops._launch`, and the tuning-time settings of the
-eager ones :mod:`inductor_ext.ops._launch_controls`.
+op's kernels go through are :mod:`inductor_ext.library.launch`, and the tuning-time settings of the
+eager ones :mod:`inductor_ext.library.launch_controls`.
 """
 
 import contextlib
@@ -37,7 +37,7 @@ from torch._ops import OpOverload
 from torch.library import triton_op
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.ops._launch import DirectLaunch, TraceableLaunch, kernels_run_on
+from inductor_ext.library.launch import DirectLaunch, TraceableLaunch, kernels_run_on
 
 NAMESPACE = "fastops"
 
@@ -270,7 +270,7 @@ def may_write_over_input(kernel: Any, *pairs: tuple[str, str]) -> None:
     """Declare that ``kernel`` (a Triton JIT function, or an autotuner around one) may write each pair's
     ``output`` argument over its ``input`` argument (:data:`OUTPUTS_OVER_DONATED`). Kernels are keyed by
     their JIT function: autotuned kernels are traced through autotuners built around it
-    (``ops._launch.pruned_autotuner``)."""
+    (``library.launch.pruned_autotuner``)."""
     jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
     OUTPUTS_OVER_DONATED[jit] = tuple(InPlaceArguments(*pair) for pair in pairs)
 

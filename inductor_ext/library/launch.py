@@ -1,6 +1,6 @@
 """Kernel launches: traced inside registered ops, direct in plain eager.
 
-An op's ``*_kernels`` function (:func:`inductor_ext.ops._library.define_op_family`) allocates its
+An op's ``*_kernels`` function (:func:`inductor_ext.library.registration.define_op_family`) allocates its
 outputs and launches Triton kernels through a :data:`Launch`:
 
 * :class:`TraceableLaunch` goes through ``wrap_triton``, so tracing (``torch.compile``,
@@ -11,7 +11,7 @@ outputs and launches Triton kernels through a :data:`Launch`:
   (:func:`tuned_launch_configs`), and later launches run the picked config's JIT function directly.
 
 Neither class holds state. The tuning-time settings (quick or thorough first launches, a forced
-config, launch logs) are context variables set by :mod:`inductor_ext.ops._launch_controls`.
+config, launch logs) are context variables set by :mod:`inductor_ext.library.launch_controls`.
 """
 
 import concurrent.futures
@@ -29,7 +29,7 @@ from torch.library import wrap_triton
 from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.ops._launch_controls import (
+from inductor_ext.library.launch_controls import (
     autotuned_launch_log,
     dry_run_log,
     forced_launch_config,
@@ -171,10 +171,10 @@ def _record_tuned(key: TunedKey, config: dict[str, Any]) -> None:
 def first_launch_autotuner(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> Autotuner:
     """The autotuner a first launch of ``kernel`` tunes on, built for this launch: it offers this
     launch's candidate configs (:func:`candidate_configs`), the first
-    :data:`~inductor_ext.ops._launch_controls.QUICK_FIRST_LAUNCH_CONFIGS` timed for
-    :data:`~inductor_ext.ops._launch_controls.AUTOTUNE_BENCH_MS` each while first launches are quick,
+    :data:`~inductor_ext.library.launch_controls.QUICK_FIRST_LAUNCH_CONFIGS` timed for
+    :data:`~inductor_ext.library.launch_controls.AUTOTUNE_BENCH_MS` each while first launches are quick,
     every one for Triton's full budget within
-    :func:`~inductor_ext.ops._launch_controls.thorough_benchmarks`; ``key``, ``restore_value`` and
+    :func:`~inductor_ext.library.launch_controls.thorough_benchmarks`; ``key``, ``restore_value`` and
     ``reset_to_zero`` kept (the key matters only to Triton's on-disk autotuning cache, when enabled).
 
     Not ``kernel``'s own autotuner: Triton's keeps each run's arguments and pick on itself (``nargs``,

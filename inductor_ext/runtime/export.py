@@ -5,7 +5,7 @@ decides each fastops call's route as the ``fastops_inductor`` backend does (our
 Triton kernels, compiled into the package as cubins, or Inductor's code from the op's
 math; the tuning database is read when it has the shapes), and compiles the program
 into a ``.pt2`` package (``aot_compile``, ``package_aoti``). Packages run from Python
-(:func:`load`) or from C++ with no Python (:mod:`inductor_ext.cpp_runner`).
+(:func:`load`) or from C++ with no Python (:mod:`inductor_ext.runtime.cpp_runner`).
 """
 
 from collections.abc import Mapping
@@ -16,9 +16,9 @@ import torch
 from torch._inductor.package import package_aoti
 from torch.export.pt2_archive._package import load_pt2
 
-from inductor_ext.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
+from inductor_ext.runtime.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
 from inductor_ext.inductor.recipe import CompileRecipe
-from inductor_ext.shared_weights import read_weights, share_weights
+from inductor_ext.runtime.shared_weights import read_weights, share_weights
 
 
 class ExportError(ValueError):
@@ -131,7 +131,7 @@ def load(path: str | Path) -> Package:
 
     A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
     g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
-    only, the process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`).
+    only, the process's C++ runtime is made global first (:func:`inductor_ext.runtime.cxx_runtime.promote_cxx_runtime`).
     """
     models = load_models(path)
     if "model" not in models:
@@ -142,7 +142,7 @@ def load(path: str | Path) -> Package:
 def load_models(path: str | Path) -> dict[str, Package]:
     """Every model of a package by name (:func:`export` writes one, ``"model"``; a generation package
     more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one). A
-    package that stores its weights once for all its models (:mod:`inductor_ext.shared_weights`) has
+    package that stores its weights once for all its models (:mod:`inductor_ext.runtime.shared_weights`) has
     them read onto its device once and given to every model."""
     path = Path(path)
     if not path.is_file():
