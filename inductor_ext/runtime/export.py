@@ -16,8 +16,8 @@ import torch
 from torch._inductor.package import package_aoti
 from torch.export.pt2_archive._package import load_pt2
 
-from inductor_ext.runtime.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
 from inductor_ext.inductor.recipe import CompileRecipe
+from inductor_ext.runtime.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
 from inductor_ext.runtime.shared_weights import read_weights, share_weights
 
 
