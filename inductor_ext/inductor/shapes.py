@@ -7,6 +7,8 @@ a reshape of a tensor that a view or flatten accepts is that same view, so the v
 unchanged. ``view(dtype)`` (a reinterpretation of bits) and calls with keyword arguments are left alone.
 """
 
+from typing import Any
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -22,7 +24,7 @@ def canonicalize_shape_calls(gm: GraphModule) -> int:
             continue
         source = node.args[0]
         if is_call(node, (), ("view",)) and _is_shape(node.args[1:]):
-            shape: list[object] | None = list(node.args[1:])
+            shape: list[Any] | None = list(node.args[1:])
         elif is_call(node, (torch.flatten,), ("flatten",)):
             shape = _flattened_shape(node, source)
         else:
@@ -46,7 +48,7 @@ def _is_shape(args: tuple[object, ...]) -> bool:
     return len(sizes) > 0 and not any(isinstance(s, torch.dtype) for s in sizes)
 
 
-def _flattened_shape(node: Node, source: Node) -> list[object] | None:
+def _flattened_shape(node: Node, source: Node) -> list[Any] | None:
     """``flatten(source, start, end)``'s shape as reshape sizes: kept dims by their static size (or a ``size``
     call where symbolic), -1 for the flattened ones; None where it is no plain flatten."""
     x = value(source)
@@ -59,7 +61,7 @@ def _flattened_shape(node: Node, source: Node) -> list[object] | None:
     if start > end:
         return None
     graph = node.graph
-    sizes: list[object] = []
+    sizes: list[Any] = []
     with graph.inserting_before(node):
         for dim in [*range(start), None, *range(end + 1, x.dim())]:
             if dim is None:

@@ -9,7 +9,7 @@ import transformers
 
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext import models
-from inductor_ext.inductor import backend
+from inductor_ext.inductor import passes
 from inductor_ext.inductor.graph_queries import is_call
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.recompute import NORM_FORWARDS
@@ -46,7 +46,7 @@ class NormsBlock(torch.nn.Module):
 
 
 def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
-    marked, mark = [], backend.mark_recompute
+    marked, mark = [], passes.mark_recompute
 
     def spy(gm, forwards):
         count = mark(gm, forwards)
@@ -54,7 +54,7 @@ def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
         marked.append((count, [n.meta.get("recompute") is not None for n in norms]))
         return count
 
-    monkeypatch.setattr(backend, "mark_recompute", spy)
+    monkeypatch.setattr(passes, "mark_recompute", spy)
     torch.manual_seed(0)
     block = NormsBlock()
     x = torch.randn(TOKENS, H, requires_grad=True)
