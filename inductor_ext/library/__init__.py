@@ -15,6 +15,9 @@ files). Its modules, top to bottom (each imports only the ones below it):
   first-launch picks.
 * :mod:`inductor_ext.library.launch_controls`: tuning-time settings of eager launches (quick or
   thorough first launches, a forced config, launch logs) as context managers.
+* :mod:`inductor_ext.library.sharding`: the DTensor sharding rules an op file declares beside its op
+  (:func:`~inductor_ext.library.sharding.sharding_rule`), the placement helpers they share, and their
+  registration with DTensor (it imports none of the modules above).
 
 Importing the package imports none of them.
 """

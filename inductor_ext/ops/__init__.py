@@ -1,5 +1,6 @@
 """Registered fastops operators (importing this module registers them)."""
 
+from inductor_ext.library.sharding import register_sharding_rules as _register_sharding_rules
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
 from inductor_ext.ops.embedding import embedding
@@ -32,11 +33,10 @@ from inductor_ext.ops.rope import (
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
 )
-from inductor_ext.ops.sharding import register as _register_sharding
 from inductor_ext.ops.sum_of_products import sum_of_products as _sum_of_products  # noqa: F401  (registers the op)
 from inductor_ext.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 
-_register_sharding()
+_register_sharding_rules()  # the rules the op modules above declared
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "vocab_parallel_cross_entropy"]

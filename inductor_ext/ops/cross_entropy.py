@@ -53,6 +53,7 @@ from inductor_ext.library.registration import (
     define_op_family,
     may_write_over_input,
 )
+from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops._layout import unit_last_stride
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -335,6 +336,51 @@ cross_entropy_family = define_op_family(
     setup_context=_setup_context,
     backward=_backward,
 )
+
+
+def loss_placement(reduction: str) -> Any:
+    """The loss over token shards: per-row shards (``"none"``) or a partial sum (``"sum"``)."""
+    from torch.distributed.tensor import Partial, Shard
+
+    return Shard(0) if reduction == "none" else Partial()
+
+
+@sharding_rule(cross_entropy_family.fwd)
+def _cross_entropy_fwd_sharding(
+    logits: Any, labels: Any, ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float,
+    reduction: str,
+) -> list[Strategy]:  # fmt: skip
+    """Token rows sharded for ``reduction="none"`` and ``"sum"`` (the summed loss a partial sum).
+
+    ``"mean"`` divides by the number of non-ignored labels of all ranks, which a local op cannot
+    know: its only rule is all-replicated. No rule shards the vocabulary: a vocab-sharded softmax
+    needs a cross-shard max and sum, which one op strategy cannot express; vocab-sharded logits are
+    redistributed to a listed placement, and :mod:`inductor_ext.ops.vocab_parallel` computes the
+    loss on them where they are, with explicit collectives (as ``loss_parallel`` does).
+    """
+    from torch.distributed.tensor import Shard
+
+    inputs = (logits, labels)
+    strategies = [replicated(2, inputs)]
+    if reduction != "mean":
+        strategies.append(([loss_placement(reduction), Shard(0)], shard_inputs(0, inputs, (True, True))))
+    return strategies
+
+
+@sharding_rule(cross_entropy_family.bwd)
+def _cross_entropy_bwd_sharding(
+    grad_output: Any, logits: Any, labels: Any, lse: Any, ignore_index: int, label_smoothing: float,
+    lse_square_scale: float, softcap: float, reduction: str,
+) -> list[Strategy]:  # fmt: skip
+    """As the forward's: token rows sharded for ``"none"`` (a gradient per row) and ``"sum"`` (one
+    replicated scale), ``"mean"`` all-replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (grad_output, logits, labels, lse)
+    strategies = [replicated(1, inputs)]
+    if reduction != "mean":
+        strategies.append(([Shard(0)], shard_inputs(0, inputs, (reduction == "none", True, True, True))))
+    return strategies
 
 
 # --- in-place backward (inplace_backward=True) --------------------------------------------------

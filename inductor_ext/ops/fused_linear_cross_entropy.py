@@ -81,6 +81,7 @@ from torch import Tensor
 
 from inductor_ext.library.launch import DirectLaunch, Launch, kernels_run_on
 from inductor_ext.library.registration import backward_may_overwrite_saved, define_op_family, define_opaque_mutating_op
+from inductor_ext.library.sharding import Placements, Strategy, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
     check_labels,
@@ -90,6 +91,7 @@ from inductor_ext.ops.cross_entropy import (
     cross_entropy_ref,
     launch_cross_entropy,
     launch_scale_rows,
+    loss_placement,
     reduce_loss,
     row_loss_and_grad_math,
 )
@@ -450,6 +452,68 @@ fused_linear_cross_entropy_family = define_op_family(
     setup_context=_setup_context,
     backward=_backward,
 )
+
+
+def _grad_placements(bias: Any, grads: Sequence[bool]) -> Placements:
+    """(dhidden, dweight, dbias) over token shards: dhidden sharded, dweight and dbias partial sums;
+    the ``(0,)`` tensors of gradients not computed replicated."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    grad_h, grad_w, grad_b = grads
+    return [
+        Shard(0) if grad_h else Replicate(),
+        Partial() if grad_w else Replicate(),
+        Partial() if grad_b and bias is not None else Replicate(),
+    ]
+
+
+@sharding_rule(fused_linear_cross_entropy_family.fwd)
+def _fused_linear_cross_entropy_fwd_sharding(
+    hidden: Any, weight: Any, labels: Any, bias: Any, ignore_index: int, label_smoothing: float,
+    lse_square_scale: float, softcap: float, reduction: str, chunk_size: int, weight_grad_accumulation: str,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> list[Strategy]:  # fmt: skip
+    """Token rows of hidden and labels sharded, weight and bias replicated, for ``reduction="none"``
+    and ``"sum"`` (the summed loss a partial sum). The forward computes the gradients for ``"sum"``
+    (scaled in the backward; weight and bias gradients partial sums), nothing for ``"none"``.
+
+    ``"mean"`` is all-replicated only, and no rule shards the vocabulary (the weight's rows), for the
+    reasons cross-entropy's rule gives; :mod:`inductor_ext.ops.vocab_parallel` computes the loss on a
+    vocab-sharded weight with explicit collectives.
+    """
+    from torch.distributed.tensor import Replicate
+
+    inputs = (hidden, weight, labels, bias)
+    strategies = [replicated(4, inputs)]
+    if reduction != "mean":
+        grads = (grad_hidden, grad_weight, grad_bias)
+        grad_placements = _grad_placements(bias, grads) if reduction == "sum" else [Replicate()] * 3
+        outputs = [loss_placement(reduction), *grad_placements]
+        strategies.append((outputs, shard_inputs(0, inputs, (True, False, True, False))))
+    return strategies
+
+
+@sharding_rule(fused_linear_cross_entropy_family.bwd)
+def _fused_linear_cross_entropy_bwd_sharding(
+    grad_output: Any, hidden: Any, weight: Any, labels: Any, bias: Any, dhidden: Any, dweight: Any, dbias: Any,
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float, reduction: str,
+    chunk_size: int, weight_grad_accumulation: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+) -> list[Strategy]:  # fmt: skip
+    """As the forward's. ``"none"`` recomputes from (grad_output, hidden, weight, labels, bias), the saved
+    gradients being ``(0,)``; ``"sum"`` scales the saved gradients by grad_output, the other tensors
+    being ``(0,)``."""
+    from torch.distributed.tensor import Replicate
+
+    inputs = (grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias)
+    strategies = [replicated(3, inputs)]
+    if reduction != "mean":
+        grads = _grad_placements(bias, (grad_hidden, grad_weight, grad_bias))
+        if reduction == "none":
+            sharded = shard_inputs(0, inputs, (True, True, False, True, False, False, False, False))
+        else:
+            sharded = [None if t is None else Replicate() for t in inputs[:5]] + grads  # (0,) but the gradients
+        strategies.append((grads, sharded))
+    return strategies
 
 
 def resolve_chunk_size(

@@ -36,6 +36,7 @@ from inductor_ext.library.registration import (
     define_op_family,
     may_write_over_input,
 )
+from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -233,6 +234,40 @@ glu_packed_family = define_op_family(
     setup_context=_setup_context,
     backward=_packed_backward,
 )
+
+
+@sharding_rule(glu_family.fwd)
+def _glu_fwd_sharding(gate: Any, up: Any, activation: str) -> list[Strategy]:
+    """Elementwise: gate and up sharded alike, on the token rows (dim 0) or the intermediate dim (dim 1)."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (gate, up)
+    return [replicated(1, inputs)] + [([Shard(d)], shard_inputs(d, inputs, (True, True))) for d in (0, 1)]
+
+
+@sharding_rule(glu_family.bwd)
+def _glu_bwd_sharding(dy: Any, gate: Any, up: Any, activation: str) -> list[Strategy]:
+    """Elementwise: dy, gate and up sharded alike, on the token rows or the intermediate dim."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (dy, gate, up)
+    return [replicated(2, inputs)] + [([Shard(d)] * 2, shard_inputs(d, inputs, (True, True, True))) for d in (0, 1)]
+
+
+@sharding_rule(glu_packed_family.fwd)
+def _glu_packed_fwd_sharding(gate_up: Any, activation: str) -> list[Strategy]:
+    """Token rows only: gate and up are the two halves of the last dim, which a shard of it would split."""
+    from torch.distributed.tensor import Shard
+
+    return [replicated(1, (gate_up,)), ([Shard(0)], [Shard(0)])]
+
+
+@sharding_rule(glu_packed_family.bwd)
+def _glu_packed_bwd_sharding(dy: Any, gate_up: Any, activation: str) -> list[Strategy]:
+    """Token rows only, as the forward."""
+    from torch.distributed.tensor import Shard
+
+    return [replicated(1, (dy, gate_up)), ([Shard(0)], [Shard(0), Shard(0)])]
 
 
 def _check_tensor(fn: str, name: str, t: Any) -> None:

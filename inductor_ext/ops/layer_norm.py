@@ -30,6 +30,7 @@ from inductor_ext.kernels.layer_norm import (
 from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
+from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule, weight_grad_placement
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -164,6 +165,25 @@ layer_norm_family = define_op_family(
     setup_context=_setup_context,
     backward=_backward,
 )
+
+
+@sharding_rule(layer_norm_family.fwd)
+def _layer_norm_fwd_sharding(x: Any, weight: Any, bias: Any, eps: float) -> list[Strategy]:
+    """Token rows (dim 0 of the 2-D x the public function passes) sharded, weight and bias replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (x, weight, bias)
+    return [replicated(3, inputs), ([Shard(0)] * 3, shard_inputs(0, inputs, (True, False, False)))]
+
+
+@sharding_rule(layer_norm_family.bwd)
+def _layer_norm_bwd_sharding(dy: Any, x: Any, weight: Any, bias: Any, mean: Any, rstd: Any) -> list[Strategy]:
+    """Token rows sharded, weight and bias replicated; dw and db are partial sums over the token shards."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (dy, x, weight, bias, mean, rstd)
+    outputs = [Shard(0), weight_grad_placement(weight), weight_grad_placement(bias)]
+    return [replicated(3, inputs), (outputs, shard_inputs(0, inputs, (True, True, False, False, True, True)))]
 
 
 def _check_param(name: str, param: Tensor | None, x: Tensor) -> None:

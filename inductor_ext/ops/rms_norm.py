@@ -34,6 +34,7 @@ from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
+from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule, weight_grad_placement
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -200,6 +201,25 @@ rms_norm_family = define_op_family(
 )
 
 
+@sharding_rule(rms_norm_family.fwd)
+def _rms_norm_fwd_sharding(x: Any, weight: Any, eps: float, offset: float, casting: str) -> list[Strategy]:
+    """Token rows (dim 0 of the 2-D x the public function passes) sharded, the weight replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (x, weight)
+    return [replicated(2, inputs), ([Shard(0), Shard(0)], shard_inputs(0, inputs, (True, False)))]
+
+
+@sharding_rule(rms_norm_family.bwd)
+def _rms_norm_bwd_sharding(dy: Any, x: Any, weight: Any, rstd: Any, offset: float, casting: str) -> list[Strategy]:
+    """Token rows sharded, the weight replicated; dw is a partial sum over the token shards."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (dy, x, weight, rstd)
+    outputs = [Shard(0), weight_grad_placement(weight)]
+    return [replicated(2, inputs), (outputs, shard_inputs(0, inputs, (True, True, False, True)))]
+
+
 def _add_setup_context(ctx: Any, inputs: Sequence[Any], output: tuple[Tensor, Tensor, Tensor]) -> None:
     _x, _residual, weight, _eps, offset, casting = inputs
     _y, rstd, h = output
@@ -227,6 +247,29 @@ add_rms_norm_family = define_op_family(
     setup_context=_add_setup_context,
     backward=_add_backward,
 )
+
+
+@sharding_rule(add_rms_norm_family.fwd)
+def _add_rms_norm_fwd_sharding(
+    x: Any, residual: Any, weight: Any, eps: float, offset: float, casting: str
+) -> list[Strategy]:
+    """Token rows of x and residual (and so of y, rstd and h) sharded, the weight replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (x, residual, weight)
+    return [replicated(3, inputs), ([Shard(0)] * 3, shard_inputs(0, inputs, (True, True, False)))]
+
+
+@sharding_rule(add_rms_norm_family.bwd)
+def _add_rms_norm_bwd_sharding(
+    dy: Any, dh: Any, h: Any, weight: Any, rstd: Any, offset: float, casting: str
+) -> list[Strategy]:
+    """Token rows sharded, the weight replicated; dw is a partial sum over the token shards."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (dy, dh, h, weight, rstd)
+    outputs = [Shard(0), weight_grad_placement(weight)]
+    return [replicated(2, inputs), (outputs, shard_inputs(0, inputs, (True, True, True, False, True)))]
 
 
 def _check_inputs(x: Tensor, weight: Tensor | None, eps: float, casting: str) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 from inductor_ext.kernels.rope import MAX_HEAD_DIM, rope_inplace_kernel, rope_kernel
 from inductor_ext.library.launch import Launch
 from inductor_ext.library.registration import define_mutating_op, define_op_family
+from inductor_ext.library.sharding import Strategy, replicated, sharding_rule
 from inductor_ext.ops._layout import unit_last_stride
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -203,6 +204,44 @@ rope_family = define_op_family(
     setup_context=_setup_context,
     backward=_backward,
 )
+
+
+@sharding_rule(rope_family.fwd, rope_family.bwd)
+def _rope_sharding(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any, unsqueeze_dim: int) -> list[Strategy]:
+    """rope_fwd and rope_bwd (same arguments: the gradients of the embeddings in place of q and k).
+
+    q and k sharded alike on batch (cos/sin sharded along with them when they carry a batch dim
+    larger than 1, replicated otherwise; per-batch position ids sharded along), on the sequence
+    (cos/sin rows or position ids sharded along it; a position-id table replicated) or on heads
+    (tables replicated).
+
+    q, k: ``(B, H, S, D)`` (``unsqueeze_dim=1``) or ``(B, S, H, D)`` (``unsqueeze_dim=2``).
+    Tables: ``(S, R)`` or ``(B or 1, S, R)``; with position ids (``(S,)``, ``(1, S)``, ``(B, S)``)
+    a ``(P, R)`` table indexed by them.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    tables = (cos, sin, position_ids)
+    head_dim, seq_dim = (1, 2) if unsqueeze_dim == 1 else (2, 1)
+
+    def strategy(qk_dim: int, table_placements: Sequence[Any]) -> Strategy:
+        return [Shard(qk_dim)] * 2, [Shard(qk_dim), Shard(qk_dim), *table_placements]
+
+    replicated_tables = [None if t is None else Replicate() for t in tables]
+    if position_ids is None:
+        per_batch = cos.ndim == 3 and cos.shape[0] > 1
+        batch_tables: list[Any] = [Shard(0) if per_batch else Replicate()] * 2 + [None]
+        seq_tables: list[Any] = [Shard(cos.ndim - 2)] * 2 + [None]
+    else:
+        per_batch = position_ids.ndim == 2 and position_ids.shape[0] > 1
+        batch_tables = [Replicate(), Replicate(), Shard(0) if per_batch else Replicate()]
+        seq_tables = [Replicate(), Replicate(), Shard(position_ids.ndim - 1)]
+    return [
+        replicated(2, (q, k, *tables)),
+        strategy(0, batch_tables),
+        strategy(seq_dim, seq_tables),
+        strategy(head_dim, replicated_tables),
+    ]
 
 
 # The in-place form mutates q and k, which define_op_family (functional ops with

@@ -1,4 +1,5 @@
-"""The DTensor sharding rules (:mod:`inductor_ext.ops.sharding`) against the unsharded ops, on 2 ranks.
+"""The DTensor sharding rules (declared in the op files, :mod:`inductor_ext.library.sharding`) against the unsharded
+ops, on 2 ranks.
 
 Each case distributes full fp32 inputs over a 1-D gloo mesh of 2 CPU ranks, runs the public
 function forward and backward on the DTensors and compares every output and input gradient

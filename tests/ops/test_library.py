@@ -1,6 +1,8 @@
-"""The op recipe's launch helpers (what every op's traced kernel launch goes through)."""
+"""The op recipe's launch helpers (what every op's traced kernel launch goes through) and the sharding rules
+op files declare."""
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -253,3 +255,49 @@ def test_launch_settings_hold_in_their_own_thread_only():
             assert pool.submit(settings).result() == (True, None, None)
             assert pool.submit(contextvars.copy_context().run, settings).result() == (False, config, log)
     assert settings() == (True, None, None)
+
+
+SHARDED_OPS = [
+    f"fastops::{family}_{direction}"
+    for family in ("rms_norm", "add_rms_norm", "layer_norm", "glu", "glu_packed", "rope", "cross_entropy",
+                   "fused_linear_cross_entropy")
+    for direction in ("fwd", "bwd")
+]  # fmt: skip
+
+
+def test_op_files_declare_a_sharding_rule_per_op():
+    """Importing the ops records their rules (checked against the unsharded ops in tests/distributed)."""
+    import inductor_ext.ops  # noqa: F401
+    from inductor_ext.library.sharding import RULES, sharding_rule
+
+    assert sorted(op.name() for op in RULES) == sorted(SHARDED_OPS)
+    assert RULES[torch.ops.fastops.rope_fwd.default] is RULES[torch.ops.fastops.rope_bwd.default]
+    for op in (torch.ops.fastops.rms_norm_fwd.default, "fastops::rms_norm_fwd", "fastops::rms_norm_fwd.default"):
+        with pytest.raises(ValueError, match="already has a sharding rule"):
+            sharding_rule(op)(lambda *args: [])
+
+
+def test_sharding_rules_register_once_and_warn_when_dtensor_refuses(monkeypatch):
+    """A rule DTensor refuses (a torch whose API differs) is skipped with a warning; registration hands
+    each rule over once, and does nothing without torch.distributed."""
+    import torch.distributed.tensor.experimental
+
+    import inductor_ext.ops  # noqa: F401
+    from inductor_ext.library import sharding
+
+    def refuse(op):
+        raise TypeError(f"refused {op}")
+
+    monkeypatch.setattr(torch.distributed.tensor.experimental, "register_sharding", refuse)
+    monkeypatch.setattr(sharding, "_registered", set())
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sharding.register_sharding_rules()  # nothing to register with
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="no DTensor sharding rule") as record:
+        sharding.register_sharding_rules()
+    assert len(record) == len(SHARDED_OPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sharding.register_sharding_rules()  # each rule was handed over once
