@@ -123,3 +123,13 @@ def test_the_checker_sees_upward_and_lazy_imports() -> None:
     found = {module for _, module in imported_modules(path, source)}
     assert found == {"inductor_ext.tuning.database", "inductor_ext.inductor.choice", "inductor_ext.autotune.tune"}
     assert [layer_of(module) < layer_of("inductor_ext.ops.example") for module in sorted(found)] == [True, True, False]
+
+
+def test_the_package_never_imports_the_repository_benchmarks() -> None:
+    """``benchmarks/`` is not in the wheel: nothing installed may import it."""
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n == "benchmarks" or n.startswith("benchmarks.") for n in names), (path, node.lineno)

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+import inductor_ext
 from inductor_ext.bench.harness import (
     copy_bandwidth_gbps,
     kernel_us,
@@ -140,17 +141,15 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     max_seq = args.prompt + args.new + 1
     with tempfile.TemporaryDirectory() as folder:
         if provider.startswith("package_"):
-            from inductor_ext.generation import export_generation, load_generation
-
             start = time.perf_counter()
             options = {"freezing": True} if provider.endswith("_frozen") else None
             static = () if provider.endswith(("_frozen", "_dynamic")) else (1,)
-            path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
+            path = inductor_ext.export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq, options=options, decode_batch_sizes=static,
                                      attention=ATTENTION.get(provider, "sdpa"),
                                      fuse_projections=provider.endswith("_fused_projections"))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
-            generate: Callable[..., Any] = load_generation(path).generate
+            generate: Callable[..., Any] = inductor_ext.load_generation(path).generate
         else:
             generate = _hf_generate(model, provider)
         for batch in args.batches:
