@@ -1,0 +1,33 @@
+"""docs/benchmarks.md is rendered from docs/benchmarks/*.json by benchmarks/render_docs.py: the committed
+page is what the script writes, every table row carries a command, and every data file is rendered or
+linked from a page."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tabulate")
+
+from benchmarks import render_docs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_committed_page_is_the_rendered_one():
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == render_docs.render(), (
+        "docs/benchmarks.md is stale: run python benchmarks/render_docs.py"
+    )
+
+
+def test_every_table_row_carries_its_command():
+    rows = [line for line in render_docs.render().splitlines() if line.startswith("| ") and "---" not in line]
+    data = [row for row in rows if not row.startswith("| provider ") and "command" not in row]
+    assert data and all("`python -m " in row for row in data), [r for r in data if "`python -m " not in r][:3]
+
+
+def test_every_data_file_is_rendered_or_linked():
+    pages = "".join(path.read_text() for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    linked = set(re.findall(r"benchmarks/([\w.-]+\.(?:json|png|txt))", pages))
+    files = {path.name for path in (ROOT / "docs" / "benchmarks").iterdir()}
+    assert files <= linked, sorted(files - linked)
