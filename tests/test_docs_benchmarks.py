@@ -31,3 +31,15 @@ def test_every_data_file_is_rendered_or_linked():
     linked = set(re.findall(r"benchmarks/([\w.-]+\.(?:json|png|txt))", pages))
     files = {path.name for path in (ROOT / "docs" / "benchmarks").iterdir()}
     assert files <= linked, sorted(files - linked)
+
+
+def test_every_number_in_the_readme_is_in_the_benchmark_data():
+    text = (ROOT / "README.md").read_text()
+    data = " ".join(path.read_text() for path in (ROOT / "docs" / "benchmarks").glob("*.json"))
+    numbers = set(re.findall(r"(?<![\w.-])\d+(?:\.\d+)?(?!\w)", text))
+    missing = [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?!\d)", data)]
+    assert not missing, sorted(missing)
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().split()) <= 1200
