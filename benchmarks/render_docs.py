@@ -76,8 +76,10 @@ def _section(title: str, name: str, body: str, note: str = "") -> str:
 
 
 def _train_command(meta: Mapping[str, Any], stem: str, provider: str) -> str:
-    argv = ["python -m inductor_ext.bench train", f"--model {meta['model']}", f"--batch {meta['batch']}",
-            f"--seq {meta['seq']}"]  # fmt: skip
+    argv = ["python -m inductor_ext.bench train"]
+    for key, default in (("model", "llama-3.2-1b"), ("batch", 4), ("seq", 2048)):  # the CLI's defaults
+        if meta[key] != default:
+            argv.append(f"--{key} {meta[key]}")
     for key, default in (("steps", 10), ("warmup", 3)):
         if meta.get(key, default) != default:
             argv.append(f"--{key} {meta[key]}")
@@ -142,8 +144,10 @@ def train_section(name: str) -> str | None:
 def generate_section(name: str) -> str | None:
     data = _load(name)
     meta = data["meta"]
-    base = (f"python -m inductor_ext.bench generate --model {meta['model']} --prompt {meta['prompt']} "
-            f"--new {meta['new']}")  # fmt: skip
+    base = "python -m inductor_ext.bench generate"
+    for key, default in (("model", "llama-3.2-1b"), ("prompt", 2048), ("new", 64)):  # the CLI's defaults
+        if meta[key] != default:
+            base += f" --{key} {meta[key]}"
     rows = [
         {
             **{k: v for k, v in row.items()},

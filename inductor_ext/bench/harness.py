@@ -63,8 +63,7 @@ class ClockSampler:
     """The GPU's mean SM clock (MHz) and board power (W) while the ``with`` block runs, sampled by
     ``nvidia-smi`` every ``period_ms``; ``mean`` is None without ``nvidia-smi`` or a GPU.
 
-    An H200 at its 700 W power limit lowers its SM clock (1980 MHz idle-to-moderate load, about
-    1750 in a dense compiled training step), and compute-bound kernels (GEMMs, attention) slow
+    A GPU at its power limit lowers its SM clock, and compute-bound kernels (GEMMs, attention) slow
     down with it: a kernel's time in two runs compares only at the same clock.
     """
 
