@@ -262,7 +262,9 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     """``--lora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same weights,
     adapters and batches: dropout draws different masks, which moves the loss by far less than bf16's
     rounding at this size, so the losses agree to bf16 tolerance, step after step."""
-    results, stdout = run_tiny_bench(tmp_path, "peft_eager", "lora_fused_eager")
+    results, stdout = run_tiny_bench(
+        tmp_path, "peft_eager", "lora_fused_eager", flags=("--lora",), stem="train_tiny-llama_2x16_lora"
+    )
     peft_losses, ours = results["peft_eager"]["losses"], results["lora_fused_eager"]["losses"]
     assert len(peft_losses) == len(ours) == 5
     for a, b in zip(peft_losses, ours, strict=True):

@@ -43,3 +43,8 @@ def test_every_number_in_the_readme_is_in_the_benchmark_data():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text().split()) <= 1200
+
+
+def test_the_docs_stay_short():
+    """The pages state contracts; measurement history lives in git and docs/benchmarks/."""
+    assert sum(len(path.read_text().split()) for path in (ROOT / "docs").glob("*.md")) <= 15000
