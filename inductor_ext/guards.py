@@ -3,9 +3,8 @@
 Dynamo checks a compiled frame's guards on every call, on the host. For an HF model most of them are
 about its modules (hook dicts, attribute types, constants) and its parameters (one tensor check each).
 ``torch.compile(model, backend="fastops_inductor", options={"guard_filter_fn": skip_parameter_guards})``
-drops only the parameters' guards. Measured with ``python -m inductor_ext.bench guards`` (docs/benchmarks.md):
-on the Llama-3.2-1B structure 147 of 3,229 guards and a third of their check time (0.27 -> 0.17 ms a
-call on the H200's host: about 0.1 ms of a 120 ms training step).
+drops only the parameters' guards, a third of the guards' check time on a Llama structure
+(``python -m benchmarks guards``).
 
 What it trades: a parameter whose dtype, device, shape, strides or ``requires_grad`` changes after
 the first call is not noticed, so the compiled code keeps treating it as before. Optimizer steps,

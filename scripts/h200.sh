@@ -5,7 +5,8 @@
 #                                             $PARALLEL at a time (default 4), each under $PER_FILE_TIMEOUT s
 #                                             (default 240; then SIGABRT, so faulthandler prints where it hung),
 #                                             failures summarised on stdout
-#   bash scripts/h200.sh bench [benchmarks...]  benchmarks (default: every op and model-level one; long)
+#   bash scripts/h200.sh bench [benchmarks...]  benchmarks (default: every op micro-benchmark and model-level one
+#                                             of benchmarks/, then bench train and generate; long)
 #                                             + examples/quickstart.py as a smoke test
 # Environment: WHEELS, a folder of wheels to add with no network (e.g. bitsandbytes for the QLoRA tests and
 # `bench train --qlora`: `pip download --no-deps bitsandbytes` elsewhere), installed with --no-deps into
@@ -42,9 +43,13 @@ if [ "$what" = tests ]; then
   done
   wait
 else
-  ops=${*:-$(python3 -c "from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS; print(*OPS, *MODEL_BENCHES)")}
+  ops=${*:-$(python3 -c "from benchmarks.__main__ import MODEL_BENCHES, OPS; print(*OPS, *MODEL_BENCHES, 'train', 'generate')")}
   for op in $ops; do
-    python3 -m inductor_ext.bench "$op" --out "$LOGS" 2>&1 | tee "$LOGS/bench_$op.log" | grep -v Warning | tail -40
+    case $op in
+      train | generate) module=inductor_ext.bench ;;  # the package's own benchmarks
+      *) module=benchmarks ;;  # op micro-benchmarks and developer tools (repository only)
+    esac
+    python3 -m "$module" "$op" --out "$LOGS" 2>&1 | tee "$LOGS/bench_$op.log" | grep -v Warning | tail -40
   done
   python3 examples/quickstart.py 2>&1 | tee "$LOGS/quickstart.log" | tail -15
 fi

@@ -1,18 +1,19 @@
-"""The benchmark modules import and follow their protocol without a GPU (they run on the H200);
-the harness's pure helpers: kernel classes, child processes."""
+"""The benchmark modules (``benchmarks/`` and ``inductor_ext.bench``) import and follow their protocol
+without a GPU; the harness's pure helpers: kernel classes, child processes."""
 
 import importlib
 import sys
 
 import pytest
 
+from benchmarks import harness as op_harness
+from benchmarks.__main__ import MODEL_BENCHES, OPS, TOOLS
 from inductor_ext.bench import harness
-from inductor_ext.bench.__main__ import MODEL_BENCHES, OPS, TOOLS
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_op_benchmark_modules_follow_the_protocol(op):
-    bench = importlib.import_module(f"inductor_ext.bench.{op}")
+    bench = importlib.import_module(f"benchmarks.{op}")
     assert callable(bench.run) and bench.SHAPES
     assert all(isinstance(d, int) and d > 0 for shape in bench.SHAPES for d in shape)
 
@@ -22,11 +23,18 @@ def test_model_benchmark_and_tool_modules_have_a_main(name):
     assert callable(importlib.import_module({**MODEL_BENCHES, **TOOLS}[name]).main)
 
 
+def test_the_package_benchmarks_are_train_and_generate(capsys):
+    from inductor_ext.bench.__main__ import BENCHMARKS, main
+
+    assert sorted(BENCHMARKS) == ["generate", "train"]
+    assert main(["rms_norm"]) == 2 and "train,generate" in capsys.readouterr().err
+
+
 def test_profile_compile_sampler_credits_the_sampled_threads():
     import threading
     import time
 
-    from inductor_ext.bench.profile_compile import StackSampler
+    from benchmarks.profile_compile import StackSampler
 
     done = threading.Event()
 
@@ -71,16 +79,16 @@ def test_run_child_returns_the_last_result_line_and_reports_failures():
 
 def test_rotated_order_puts_every_name_in_every_place():
     names = ["eager", "torch_compile", "fastops_auto", "fastops_kernel"]
-    orders = [harness.rotated_order(names, r) for r in range(len(names))]
+    orders = [op_harness.rotated_order(names, r) for r in range(len(names))]
     assert orders[0] == names and all(sorted(order) == sorted(names) for order in orders)
     for place in range(len(names)):
         assert sorted(order[place] for order in orders) == sorted(names)
-    assert harness.rotated_order(names, len(names) + 1) == orders[1]
-    assert harness.rotated_order([], 3) == []
+    assert op_harness.rotated_order(names, len(names) + 1) == orders[1]
+    assert op_harness.rotated_order([], 3) == []
 
 
 def test_backend_bench_compile_time_flags_exclude_each_other(capsys):
-    from inductor_ext.bench import backend
+    from benchmarks import backend
 
     with pytest.raises(SystemExit) as exit_info:
         backend.main(["--no-compile-times", "--compile-times-only"])
@@ -94,7 +102,7 @@ def test_backend_bench_compile_time_flags_exclude_each_other(capsys):
     (["torch_compile", "fastops_eager"], "invalid choice: 'fastops_eager'"),
 ])  # fmt: skip
 def test_backend_bench_compile_providers_are_checked(capsys, providers, message):
-    from inductor_ext.bench import backend
+    from benchmarks import backend
 
     with pytest.raises(SystemExit) as exit_info:
         backend.main(["--compile-times-only", "--compile-providers", *providers])

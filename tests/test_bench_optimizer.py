@@ -3,7 +3,7 @@ floor counts seven tensors of the parameters' dtype."""
 
 import torch
 
-from inductor_ext.bench import optimizer
+from benchmarks import optimizer
 
 
 def test_the_steps_make_the_same_update():

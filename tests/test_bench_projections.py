@@ -4,7 +4,7 @@ float64 and compiled by Inductor (the GPU benchmark times them; here only what t
 import pytest
 import torch
 
-from inductor_ext.bench import projections
+from benchmarks import projections
 
 
 def _expected(x, weights, grads):

@@ -1,5 +1,6 @@
 """``python -m inductor_ext.bench train`` on CPU: a tiny HF Llama trained by each provider in its own
-process (on a GPU the same command measures the real model shapes; see docs/benchmarks.md)."""
+process (on a GPU the same command measures the real model shapes; see docs/benchmarks.md), and the
+providers built from their axes."""
 
 import json
 import math
@@ -12,6 +13,9 @@ import torch
 
 import inductor_ext.guards
 from inductor_ext.bench import train
+from inductor_ext.bench.train import cli, qlora, report, worker
+from inductor_ext.bench.train.model import LORA_TARGETS
+from inductor_ext.bench.train.providers import PRESETS, Provider, parse_provider, reference
 
 
 def run_tiny_bench(tmp_path, *providers: str, timeout: int = 900, flags=(), stem="train_tiny-llama_2x16"):
@@ -36,11 +40,12 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
         "fastops_inductor_cudagraphs",
         "fastops_inductor_compiled_adamw",
     )
-    # (--kernel-table: on CPU its profiled steps run unprofiled, and no table is made)
-    flags = ("--profile-steps", "1", "--kernel-table")
+    # (on CPU the profiled step runs unprofiled: no kernel times)
+    flags = ("--profile-steps", "1")
     results, stdout = run_tiny_bench(tmp_path, "hf_eager", *compiled, flags=flags)
     assert list(results) == ["hf_eager", *compiled]
-    assert not any("kernel_table" in r or "gpu_idle_ms" in r for r in results.values())
+    assert not any("gpu_idle_ms" in r for r in results.values())
+    assert all(r["spec"] == PRESETS[name].to_json() for name, r in results.items())
     eager = results["hf_eager"]
     for ours in (results[name] for name in compiled):
         # the first step, 2 timed ones synchronised each, 2 timed together
@@ -72,26 +77,58 @@ def test_pooled_rounds_take_the_median_of_every_step_and_the_highest_peak():
                 "tokens_per_s": 8192 / median * 1e3, "step_ms_unsynced": median, "peak_gib": peak,
                 "timed_steps_gpu": {"sm_clock_mhz": clock, "power_w": 600.0}, "losses": [1.0]}  # fmt: skip
 
-    pooled = train.pool_rounds([run(0, [100.0, 102.0], 20.0, 1700.0), run(1, [110.0, 112.0], 20.5, 1600.0)])
+    pooled = report.pool_rounds([run(0, [100.0, 102.0], 20.0, 1700.0), run(1, [110.0, 112.0], 20.5, 1600.0)])
     assert pooled["step_ms_median"] == 106.0 and pooled["tokens_per_s"] == pytest.approx(8192 / 0.106)
     assert pooled["peak_gib"] == 20.5 and pooled["timed_steps_gpu"]["sm_clock_mhz"] == 1650.0
     assert pooled["step_ms_unsynced"] == 106.0
     assert [r["step_ms_median"] for r in pooled["rounds"]] == [101.0, 111.0]
     assert "position" not in pooled
-    assert train.pool_rounds([run(0, [100.0], 20.0, 1700.0)])["tokens_per_s"] == pytest.approx(81920)
+    assert report.pool_rounds([run(0, [100.0], 20.0, 1700.0)])["tokens_per_s"] == pytest.approx(81920)
 
 
-def test_compile_arguments_resolve_the_guard_filter_and_leave_the_registry_alone():
-    arguments = train.compile_arguments("patched_fastops_inductor_no_module_guards")
+def test_compile_arguments_resolve_the_guard_filter_and_leave_the_provider_alone():
+    provider = parse_provider("patched_fastops_inductor,guard_filter_fn=skip_guard_on_all_nn_modules_unsafe")
+    arguments = provider.compile_arguments()
     assert arguments["backend"] == "fastops_inductor"
     assert arguments["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
     arguments["options"].pop("guard_filter_fn")  # what torch.compile does with it
-    assert train.PROVIDERS["patched_fastops_inductor_no_module_guards"]["options"] == {
-        "guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"
-    }
-    assert train.compile_arguments("torch_compile") == {}
-    ours = train.compile_arguments("fastops_inductor_no_parameter_guards")["options"]["guard_filter_fn"]
+    assert provider.options == {"guard_filter_fn": "skip_guard_on_all_nn_modules_unsafe"}
+    assert PRESETS["torch_compile"].compile_arguments() == {}
+    ours = PRESETS["fastops_inductor_no_parameter_guards"].compile_arguments()["options"]["guard_filter_fn"]
     assert ours is inductor_ext.guards.skip_parameter_guards
+    assert PRESETS["fastops_inductor_padded"].compile_arguments() == {"backend": "fastops_inductor", "dynamic": True}
+    assert PRESETS["fastops_inductor_cudagraphs"].compile_arguments()["mode"] == "reduce-overhead"
+
+
+def test_providers_parse_from_presets_and_key_value_settings():
+    kernel = parse_provider("fastops_inductor,fastops.route=kernel,fastops.assume_no_padding=true")
+    assert (kernel.name, kernel.backend, kernel.patch) == (
+        "fastops_inductor,fastops.route=kernel,fastops.assume_no_padding=true", "fastops_inductor", "none"
+    )  # fmt: skip
+    assert kernel.options == {"fastops.route": "kernel", "fastops.assume_no_padding": True}
+    assert PRESETS["fastops_inductor"].options == {}  # the preset is not changed
+    built = parse_provider("backend=fastops_inductor,patch=models.apply,adapter=lora,apply.lora_dtype=input")
+    assert built.apply_options == {"lora_dtype": "input"} and built.adapter == "lora" and built.compiled
+    assert built.to_json() == Provider.from_json(built.to_json()).to_json()
+    assert parse_provider("hf_eager") == PRESETS["hf_eager"]
+    for bad, message in [("nope", "not a preset"), ("hf_eager,route", "not key=value"),
+                         ("backend=tensorrt", "backend must be one of"), ("hf_eager,fastops.route=kernel", "compiling"),
+                         ("hf_eager,checkpoint_policy=keep_lora_outputs", "needs gradient_checkpointing")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_provider(bad)
+
+
+def test_each_provider_compares_with_the_unpatched_references_of_its_adapter_and_data():
+    presets = list(PRESETS.values())
+    for name, compiled, eager in [
+        ("patched_fastops_inductor", "torch_compile", "hf_eager"),
+        ("lora_fused_fastops_inductor", "peft_torch_compile", "peft_eager"),
+        ("qlora_fused_eager", "qlora_peft_torch_compile", "qlora_peft_eager"),
+        ("fastops_inductor_padded", "torch_compile_packed", "hf_eager_padded"),
+        ("liger_packed", "torch_compile_packed", "hf_eager_packed"),
+    ]:
+        found = (reference(PRESETS[name], presets, backend) for backend in ("torch_compile", "eager"))
+        assert [p.name for p in found] == [compiled, eager], name
 
 
 def test_phase_peaks_keep_each_phases_largest_peak_and_reset_between_phases(monkeypatch):
@@ -99,7 +136,7 @@ def test_phase_peaks_keep_each_phases_largest_peak_and_reset_between_phases(monk
     resets = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated) * 2**30)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
-    phases = train.PhasePeaks()
+    phases = worker.PhasePeaks()
     phases.begin()
     phases.end("forward")  # not recording: nothing read or reset
     assert phases.gib == {} and resets == []
@@ -133,12 +170,16 @@ def test_registry_shapes_build_on_the_meta_device(model):
 def test_summary_rows_take_ratios_to_torch_compile_and_losses_to_hf_eager():
     def result(tokens, loss):
         return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
-                "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
+                "gpu_ms_by_category": dict.fromkeys(report.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
 
     ours = {**result(125.0, 3.25), "graph_breaks": {"a reason": 2, "another": 1},
             "gpu_idle_ms": {"launch_gaps": 1.24, "host_waits": 0.5}}  # fmt: skip
-    rows = train.summarize({"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": ours})
-    assert [(r["provider"], r["x torch.compile"], r["- hf_eager"], r["graph breaks"]) for r in rows] == [
+    ours["spec"] = PRESETS["fastops_inductor"].to_json()
+    results = {"hf_eager": result(50.0, 3.0), "torch_compile": result(100.0, 3.5), "ours": ours}
+    for name in ("hf_eager", "torch_compile"):
+        results[name]["spec"] = PRESETS[name].to_json()
+    rows = report.summarize(results)
+    assert [(r["provider"], r["x torch.compile"], r["loss - eager"], r["graph breaks"]) for r in rows] == [
         ("hf_eager", 0.5, 0.0, 0), ("torch_compile", 1.0, 0.5, 0), ("ours", 1.25, 0.25, 3)
     ]  # fmt: skip
     idle = [(r["GPU idle: launch gaps ms"], r["GPU idle: host waits ms"]) for r in rows]
@@ -164,9 +205,8 @@ def test_loss_chunk_size_reaches_the_patched_loss(tmp_path, monkeypatch):
         (["--steps", "0"], "must be >= 1"),
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1"),
-        (["--providers", "nope"], "invalid choice"),
+        (["--providers", "nope"], "'nope' is not a preset"),
         (["--model", "gpt-17"], "invalid choice"),
-        (["--kernel-table", "--profile-steps", "0"], "--kernel-table needs --profile-steps >= 1"),
         ([], "needs a CUDA GPU"),
     ],
 )
@@ -222,7 +262,9 @@ def test_lora_providers_train_the_adapters_with_equal_losses(tmp_path):
     """``--lora``'s PEFT eager and ours (the PEFT model patched by models.apply) on the same weights,
     adapters and batches: dropout draws different masks, which moves the loss by far less than bf16's
     rounding at this size, so the losses agree to bf16 tolerance, step after step."""
-    results, stdout = run_tiny_bench(tmp_path, "peft_eager", "lora_fused_eager")
+    results, stdout = run_tiny_bench(
+        tmp_path, "peft_eager", "lora_fused_eager", flags=("--lora",), stem="train_tiny-llama_2x16_lora"
+    )
     peft_losses, ours = results["peft_eager"]["losses"], results["lora_fused_eager"]["losses"]
     assert len(peft_losses) == len(ours) == 5
     for a, b in zip(peft_losses, ours, strict=True):
@@ -248,7 +290,7 @@ def test_qlora_providers_train_the_adapters_over_the_nf4_base_with_equal_losses(
         assert abs(a - b) <= 2e-2 * abs(a)
     meta = json.loads((tmp_path / "train_tiny-llama_2x16_qlora.json").read_text())["meta"]
     assert meta["qlora"]["quant_type"] == "nf4" and meta["qlora"]["double_quant"]
-    assert "x qlora_peft_eager" in stdout
+    assert "x eager" in stdout
 
 
 def test_quantize_base_replaces_the_decoder_linears_with_nf4_and_leaves_the_rest():
@@ -256,15 +298,13 @@ def test_quantize_base_replaces_the_decoder_linears_with_nf4_and_leaves_the_rest
     weight is the original to NF4's error (4-bit codes on blocks of 64: about 9% relative here); the
     embeddings, norms and LM head keep their tensors."""
     bnb = pytest.importorskip("bitsandbytes")
-    from inductor_ext.bench import qlora
-
     model = train.build_model("tiny-llama", "cpu", torch.bfloat16)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     kept = {name: p for name, p in model.named_parameters() if not name.endswith("_proj.weight")}
     replaced = qlora.quantize_base(model)
     layers = train.MODELS["tiny-llama"]["num_hidden_layers"]
     expected = [f"model.layers.{i}.{block}.{target}" for i in range(layers)
-                for block, targets in (("self_attn", train.LORA_TARGETS[:4]), ("mlp", train.LORA_TARGETS[4:]))
+                for block, targets in (("self_attn", LORA_TARGETS[:4]), ("mlp", LORA_TARGETS[4:]))
                 for target in targets]  # fmt: skip
     assert sorted(replaced) == sorted(expected)
     quantized = {name for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
@@ -429,7 +469,7 @@ def test_packed_run_reports_real_tokens_and_losses_next_to_each_reference(tmp_pa
     }
     assert summary["hf_eager_padded"]["loss reference"] == "hf_eager_padded"
     assert summary["patched_eager_packed"]["loss reference"] == "hf_eager_packed"
-    assert summary["patched_eager_packed"]["- hf_eager"] is not None
+    assert summary["patched_eager_packed"]["loss - eager"] is not None
     assert "real tokens/s" in stdout
 
 
@@ -445,11 +485,11 @@ def test_merge_refuses_a_file_of_other_settings(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--packed", "--lora"], "--packed runs alone"),
-        (["--packed", "--providers", "hf_eager"], "--packed runs only"),
+        (["--packed", "--lora"], "not allowed with argument"),
+        (["--packed", "--providers", "hf_eager"], "--packed runs only document providers"),
         (["--providers", "hf_eager_packed"], "only with --packed"),
         (["--packed", "--padded-batch", "0"], "--padded-batch must be >= 1"),
-        (["--packed", "--rounds", "2"], "not with --packed"),
+        (["--packed", "--rounds", "2"], "--packed: not with"),
     ],
 )
 def test_packed_arguments_are_checked(argv, message, capsys):
@@ -461,13 +501,13 @@ def test_packed_arguments_are_checked(argv, message, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--qlora", "--lora"], "--qlora runs alone"),
-        (["--qlora", "--packed"], "--packed runs alone"),
-        (["--qlora", "--cpp-wrapper"], "--qlora runs alone"),
-        (["--qlora", "--nproc", "2"], "--qlora runs alone"),
-        (["--qlora", "--providers", "qlora_peft_eager", "peft_eager"], "--qlora runs only"),
+        (["--qlora", "--lora"], "not allowed with argument"),
+        (["--qlora", "--packed"], "not allowed with argument"),
+        (["--qlora", "--cpp-wrapper"], "not allowed with argument"),
+        (["--qlora", "--nproc", "2"], "--qlora: not with --nproc > 1"),
+        (["--qlora", "--providers", "qlora_peft_eager", "peft_eager"], "--qlora runs only qlora providers"),
         (["--providers", "qlora_fused_eager"], "only with --qlora"),
-        (["--lora", "--providers", "qlora_peft_eager"], "only with --qlora"),
+        (["--lora", "--providers", "qlora_peft_eager"], "--lora runs only lora providers"),
         (["--qlora", "--providers", "qlora_fused_fastops_inductor_keep_mlp"], "only with --gradient-checkpointing"),
         (["--qlora", "--providers", "qlora_fused_fastops_inductor_keep_lora"], "only with --gradient-checkpointing"),
     ],
@@ -481,20 +521,23 @@ def test_qlora_arguments_are_checked(argv, message, capsys):
 def test_qlora_rows_take_ratios_to_both_peft_references_and_losses_to_peft_eager():
     def result(tokens, loss):
         return {"tokens_per_s": tokens, "peak_gib": 1.0, "first_step_s": 2.0, "losses": [loss],
-                "gpu_ms_by_category": dict.fromkeys(train.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
+                "gpu_ms_by_category": dict.fromkeys(report.CATEGORIES, 1.0), "gpu_ms_total": 4.0, "step_ms_median": 5.0}  # fmt: skip
 
     results = {"qlora_peft_eager": result(40.0, 3.0), "qlora_peft_torch_compile": result(80.0, 3.5),
                "qlora_fused_fastops_inductor": result(100.0, 3.25)}  # fmt: skip
-    rows = train.summarize(results)
-    assert [(r["provider"], r["x torch.compile"], r["x qlora_peft_eager"], r["- hf_eager"]) for r in rows] == [
+    for name, r in results.items():
+        r["spec"] = PRESETS[name].to_json()
+    rows = report.summarize(results)
+    assert [(r["provider"], r["x torch.compile"], r["x eager"], r["loss - eager"]) for r in rows] == [
         ("qlora_peft_eager", 0.5, 1.0, 0.0), ("qlora_peft_torch_compile", 1.0, 2.0, 0.5),
         ("qlora_fused_fastops_inductor", 1.25, 2.5, 0.25)
     ]  # fmt: skip
 
 
-def test_keep_providers_run_by_default_only_with_gradient_checkpointing():
-    plain = train.default_providers(train.parser().parse_args(["--qlora"]))
-    checkpointed = train.default_providers(train.parser().parse_args(["--qlora", "--gradient-checkpointing"]))
-    assert checkpointed == list(train.QLORA_PROVIDERS)
-    assert plain == [p for p in train.QLORA_PROVIDERS if "_keep_" not in p]
-    assert "qlora_fused_fastops_inductor_keep_lora" in checkpointed
+def test_selective_checkpointing_providers_run_by_default_only_with_gradient_checkpointing():
+    plain = cli.providers(cli.parser().parse_args(["--qlora"]))
+    checkpointed = cli.providers(cli.parser().parse_args(["--qlora", "--gradient-checkpointing"]))
+    assert [p.name for p in checkpointed] == [name for name, p in PRESETS.items() if p.adapter == "qlora"]
+    assert all(p.gradient_checkpointing for p in checkpointed) and not any(p.gradient_checkpointing for p in plain)
+    assert [p.name for p in plain] == [p.name for p in checkpointed if p.checkpoint_policy is None]
+    assert "qlora_fused_fastops_inductor_keep_lora" in {p.name for p in checkpointed}

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench compile_cost``: records our ops' launches on fake CUDA tensors and compiles them for
+"""``python -m benchmarks compile_cost``: records our ops' launches on fake CUDA tensors and compiles them for
 sm_90 on this CPU host (it leans on Triton internals, so CI runs it to catch a Triton change)."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILE_COST = [sys.executable, "-m", "inductor_ext.bench", "compile_cost"]
+COMPILE_COST = [sys.executable, "-m", "benchmarks", "compile_cost"]
 
 
 def test_compile_cost_compiles_each_launch_for_sm90(tmp_path):
@@ -89,9 +89,9 @@ def test_every_config_of_every_op_passes_tritons_frontend(tmp_path):
 
 
 def test_the_default_call_file_loads():
-    """The call file ``compile_cost`` reads when none is given (installed with the package)."""
+    """The call file ``compile_cost`` reads when none is given (beside it in benchmarks/)."""
+    from benchmarks.compile_cost import DEFAULT_CALLS
     from inductor_ext.autotune.calls import load_calls
-    from inductor_ext.bench.compile_cost import DEFAULT_CALLS
 
     ops = [call.family.name for call in load_calls(DEFAULT_CALLS)]
     assert len(ops) == 5 and "cross_entropy" in ops, ops

@@ -1,13 +1,13 @@
 """``inductor_ext.guards.skip_parameter_guards`` under ``torch.compile``: only the parameters' guards go,
 what it keeps safe stays safe (in-place updates, a same-metadata replacement, ``train()``/``eval()``),
-and ``python -m inductor_ext.bench guards`` measures every filter on a tiny model."""
+and ``python -m benchmarks guards`` measures every filter on a tiny model."""
 
 import json
 
 import torch
 from torch import nn
 
-from inductor_ext.bench import guards as bench_guards
+from benchmarks import guards as bench_guards
 from inductor_ext.guards import skip_parameter_guards
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.kernel_table import Launches, in_out_arguments, kernel_rows, launches_from_trace, markdown
 from inductor_ext.bench.harness import LAUNCH_GAP_US, Timeline, idle_gaps
-from inductor_ext.bench.kernel_table import Launches, in_out_arguments, kernel_rows, launches_from_trace, markdown
 
 
 def test_idle_gaps_split_launch_gaps_from_host_waits_over_overlapping_streams():

@@ -182,3 +182,13 @@ def test_the_checker_sees_private_modules_of_other_packages() -> None:
     assert private_imports(PACKAGE_DIR / "ops" / "sub" / "example.py", source.replace("..ops", "...ops")) == []
     assert private_owner("inductor_ext.ops.__init__") is None
     assert private_owner("inductor_ext._compat.torch_fixes") == "inductor_ext"
+
+
+def test_the_package_never_imports_the_repository_benchmarks() -> None:
+    """``benchmarks/`` is not in the wheel: nothing installed may import it."""
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n == "benchmarks" or n.startswith("benchmarks.") for n in names), (path, node.lineno)

@@ -129,3 +129,30 @@ def test_compile_by_name_in_a_process_that_never_imported_the_package(tmp_path):
     assert result["max_abs_err"] < 1e-5
     assert result["imported"] is True  # loaded through the entry point
     assert result["backend_module"] == "inductor_ext.inductor.backend"
+
+
+def test_extras_bound_transformers_to_the_checked_range_and_both_setups_agree():
+    """Every extra that installs transformers bounds it to the versions ``inductor_ext._compat`` checks its
+    patches against; the test pin lies in that range, and the README's two set-up commands
+    (requirements-cpu.txt, requirements-test.txt) install the same version."""
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    from inductor_ext._compat.transformers_rope import TESTED_TRANSFORMERS
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (low, high) = TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[-1]
+    bound = f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+    for name, requirements in extras.items():
+        pins = [r for r in requirements if r.startswith("transformers")]
+        if name != "test":
+            assert all(pin == bound for pin in pins), (name, pins)
+    (test_pin,) = [r for r in extras["test"] if r.startswith("transformers")]
+    version = tuple(int(part) for part in test_pin.split("==")[1].split(".")[:2])
+    assert low <= version <= high, test_pin
+    cpu = re.search(r"^transformers==(\S+)$", (root / "requirements-cpu.txt").read_text(), re.MULTILINE)
+    assert cpu and f"transformers=={cpu.group(1)}" == test_pin
+    assert "cmake>=3.18" in extras["examples"] and "cmake>=3.18" in extras["generate"]

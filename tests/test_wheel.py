@@ -1,5 +1,7 @@
 """The wheel built from this checkout: installed on its own (not the editable checkout), it carries the
-C++ runner's sources and ``py.typed``, declares the tested torch/Triton range, and builds the runner."""
+C++ runner's sources and ``py.typed``, declares the tested torch/Triton range, builds the runner, and holds
+only the package (no ``benchmarks/``, ``tests/`` or ``examples/``; of the benchmarks, only ``bench train``
+and ``bench generate``)."""
 
 import os
 import subprocess
@@ -31,10 +33,22 @@ def test_wheel_carries_sources_and_declares_the_tested_range(wheel):
         "csrc/tensor_file.h",
         "csrc/CMakeLists.txt",
         "py.typed",
-        "bench/calls_llama3_8b_decoder.json",
+        "bench/train/cli.py",
+        "bench/generate.py",
     ):
         assert f"inductor_ext/{path}" in names, path
     assert "Requires-Dist: torch<2.14,>=2.11" in requires and "Requires-Dist: triton<3.7,>=3.6" in requires
+
+
+def test_wheel_holds_the_package_and_no_micro_benchmark(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if ".dist-info/" not in n]
+    assert names and all(n.startswith("inductor_ext/") for n in names), [n for n in names if "/" not in n][:5]
+    micro = {path.stem for path in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "__main__", "harness"}
+    bench = {Path(n).stem for n in names if n.startswith("inductor_ext/bench/")}
+    assert micro and not micro & bench, sorted(micro & bench)
+    assert bench <= {"__init__", "__main__", "fsdp", "generate", "harness", "llama", "packing", "train", "cli",
+                     "model", "providers", "qlora", "report", "worker"}, sorted(bench)  # fmt: skip
 
 
 def test_installed_wheel_builds_the_cpp_runner(wheel, tmp_path):

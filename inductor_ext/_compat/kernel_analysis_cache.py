@@ -6,9 +6,8 @@ Tracing a ``wrap_triton`` launch (our kernel route) asks
 lowers the kernel to TTIR with Triton's front end and walks it, and nothing is cached: the
 functionalization of every launch asks (once while AOTAutograd collects metadata, again while it
 traces the joint graph) and Inductor asks again for every kernel it lowers. A decoder repeats
-the same launches layer after layer; on the H200 (``python -m inductor_ext.bench profile_compile``,
-a 4-layer decoder under the kernel route) these analyses took 3.9 s of a 25 s compile, on the
-compiling thread.
+the same launches layer after layer, so these analyses take a large share of a compile
+(``python -m benchmarks profile_compile`` shows it).
 
 The answer depends only on the kernel's source and on what the TTIR is specialised on:
 ``generate_ttir`` stands a 2-element tensor of the same dtype in for each fake tensor or Inductor

@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m inductor_ext.bench <op>`` (needs a CUDA GPU)."""
+"""The user-facing benchmarks: ``python -m inductor_ext.bench train|generate``."""

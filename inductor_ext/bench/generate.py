@@ -18,9 +18,6 @@ Providers:
   folds the weights into each graph, which then cannot share them).
 - ``package_cpp_folded_sdpa`` and ``package_cpp_decode_attention``: ``package_cpp`` exported with
   ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.runtime.generation.attention`).
-- ``package_cpp_fused_projections``: ``package_cpp`` exported with ``fuse_projections=True``: the q/k/v
-  and gate/up projections as one product each over weights concatenated at export, static decode graph
-  kept (:mod:`inductor_ext.runtime.generation.projections`).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
 weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
@@ -47,6 +44,7 @@ from typing import Any
 
 import torch
 
+import inductor_ext
 from inductor_ext.bench.harness import (
     copy_bandwidth_gbps,
     kernel_us,
@@ -58,7 +56,7 @@ from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
              "package_cpp", "package_cpp_dynamic", "package_cpp_folded_sdpa", "package_cpp_decode_attention",
-             "package_cpp_frozen", "package_cpp_fused_projections")  # fmt: skip
+             "package_cpp_frozen")  # fmt: skip
 ATTENTION = {"package_cpp_folded_sdpa": "folded_sdpa", "package_cpp_decode_attention": "decode_attention"}
 """``export_generation``'s ``attention`` per provider (the others: ``"sdpa"``)."""
 
@@ -140,17 +138,14 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     max_seq = args.prompt + args.new + 1
     with tempfile.TemporaryDirectory() as folder:
         if provider.startswith("package_"):
-            from inductor_ext.runtime.generation import export_generation, load_generation
-
             start = time.perf_counter()
             options = {"freezing": True} if provider.endswith("_frozen") else None
             static = () if provider.endswith(("_frozen", "_dynamic")) else (1,)
-            path = export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
+            path = inductor_ext.export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
                                      max_seq_len=max_seq, options=options, decode_batch_sizes=static,
-                                     attention=ATTENTION.get(provider, "sdpa"),
-                                     fuse_projections=provider.endswith("_fused_projections"))  # fmt: skip
+                                     attention=ATTENTION.get(provider, "sdpa"))  # fmt: skip
             result["export_s"] = time.perf_counter() - start
-            generate: Callable[..., Any] = load_generation(path).generate
+            generate: Callable[..., Any] = inductor_ext.load_generation(path).generate
         else:
             generate = _hf_generate(model, provider)
         for batch in args.batches:

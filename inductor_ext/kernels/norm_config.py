@@ -90,11 +90,9 @@ def _two_reductions_rank(config: NormConfig, block: int) -> tuple[int, int, int]
     """For a forward that reduces twice in a row (LayerNorm: the mean, then the centred squares):
     prefer persistent, at least two rows and 8192 elements per step, 32 values per thread.
 
-    Two rows per program keep a second row's reductions in flight while one waits. The H200's
-    full timing of every config picked exactly these at 2048, 4096 and 8192 elements (4, 2, 2
-    rows; 8, 8, 16 warps). A later H200 run timed them 8% (32768 x 4096) and 32% (16384 x 8192)
-    faster than the one-row configs :func:`_heuristic_rank` puts first, which is all a quick
-    first launch's four configs had held.
+    Two rows per program keep a second row's reductions in flight while one waits; a full timing of
+    every config picks these at 2048, 4096 and 8192 elements (4, 2, 2 rows; 8, 8, 16 warps), ahead
+    of the one-row configs :func:`_heuristic_rank` puts first.
     """
     per_thread = config.block_m * config.block_n // (32 * config.num_warps)
     rows_wanted = max(2, 8192 // block)
@@ -103,7 +101,7 @@ def _two_reductions_rank(config: NormConfig, block: int) -> tuple[int, int, int]
 
 def programs_per_sm(n: int) -> int:
     """Programs per SM of the backward's grid-stride launch: 4 for short rows, 2 at 4096
-    elements, 1 from 8192 (RMSNorm's fastest backward on the H200 at 2048-16384); fewer
+    elements, 1 from 8192 (RMSNorm's fastest backward at 2048-16384); fewer
     programs also mean fewer fp32 partial rows (programs x N) to write and reduce."""
     return max(1, min(4, 8192 // max(n, 1)))
 

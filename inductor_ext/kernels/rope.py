@@ -101,9 +101,8 @@ def search_space(n_q_heads: int, n_k_heads: int, half_pad: int, pass_pad: int = 
 
 def _heuristic_rank(config: RoPEConfig, top: int, width: int, widest: int) -> tuple[bool, int, bool, bool]:
     """Prefer 16 elements per thread in the widest load, then tiles nearest 4096 elements (the
-    smaller of two equally near), then the full head block. Every config the H200 picked at the
-    benchmark shapes had 16 elements per thread, in tiles of 2048 or 4096
-    elements, with either head block."""
+    smaller of two equally near), then the full head block. A full timing picks 16 elements per thread, in
+    tiles of 2048 or 4096 elements, at the benchmark shapes."""
     elements = config.block_t * config.block_h * width
     per_thread = config.block_t * config.block_h * widest // (32 * config.num_warps)
     return (per_thread != 16, abs(elements.bit_length() - 13), elements > 4096, config.block_h != top)

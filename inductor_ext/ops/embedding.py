@@ -6,11 +6,9 @@ output gradient's rows per token id. Inductor lowers ``aten.embedding_dense_back
 its decomposition: an fp32 ``(V, H)`` buffer zero-filled, the rows added into it with atomics, a cast to
 the weight's dtype (10 bytes moved per weight element in bf16: 2.6 GB at Llama-3.2-1B's 128256 × 2048),
 with last bits that vary from run to run. Aten's own CUDA kernel zero-fills the gradient in the weight's
-dtype, sorts the ids and sums each id's rows in fp32 in a fixed order (the same bits on every run). On
-the H200, forward + backward at 8192 tokens: 0.49 ms against Inductor's 0.65 at 128256 × 2048, 0.87
-against 1.30 at 128256 × 4096 (``python -m inductor_ext.bench embedding``, providers ``hf_eager`` and
-``torch_compile``). A Triton kernel that sums each id's run over the sorted rows (one program per run
-start) measured 0.50 ms for the sums alone there, against aten's 0.23: aten's kernel is the one kept.
+dtype, sorts the ids and sums each id's rows in fp32 in a fixed order (the same bits on every run). Aten's
+kernel is faster than Inductor's decomposition at LLM vocabularies and than a Triton kernel of the same
+sort-and-sum (``python -m benchmarks embedding``), so it is the kernel route.
 
 The op's ``kernel`` route is therefore aten's kernel behind an opaque custom op
 (``fastops::embedding_dense_backward_aten``), which Inductor calls as it is; under the ``fastops_inductor``

@@ -87,10 +87,8 @@ def layer_norm_fwd_kernels(
 
 TWO_PASS_BACKWARD_MIN_N = 16384
 """Rows at least this long take the two-pass backward (:func:`_param_grad_partials`): there the one-kernel
-backward's whole-row dw/db accumulators spill (ptxas, sm_90: 832 bytes per thread at
-N = 16384) and it ran at 35% of its copy floor on the H200 (4096 x 16384: 256 us). Measured on
-the H200 (fwd+bwd ms, two-pass / one-kernel / torch.compile): 4096 x 16384 0.277 / 0.356 / 0.418; 2048 x 32768 0.398 / 0.649 / 0.478; but
-8192 x 8192 0.260 / 0.185 / 0.380, where the one-kernel backward does not spill."""
+backward's whole-row dw/db accumulators spill (ptxas, sm_90, at N = 16384) and the two-pass one is
+faster; below it the one-kernel backward does not spill and is faster."""
 
 
 def layer_norm_bwd_kernels(

@@ -13,7 +13,7 @@ A dense weight has an empty ``weight_quant``. The block size is ``out · in / ab
 :func:`dequantize` runs our Triton kernel on a GPU, launched directly in plain eager and traced
 (``wrap_triton``) under ``torch.compile`` and export, whatever route the backend picks for the op that
 calls it: Inductor's code of the same math (two nibble extractions, two table gathers, the products) is
-1.3-1.8x slower on the H200 (docs/benchmarks.md), and the GEMM reading the result is an extern kernel,
+slower (``python -m benchmarks nf4_dequantize``), and the GEMM reading the result is an extern kernel,
 so there is no fusion to lose. On CPU it runs the kernel under ``TRITON_INTERPRET=1`` in plain eager,
 and the aten math otherwise (the only code a CPU compile can run).
 """

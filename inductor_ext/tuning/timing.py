@@ -87,8 +87,7 @@ def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> li
     """GPU ms per call of each of ``replays`` replays of one CUDA graph holding ``calls`` in order.
 
     The time is the kernels' alone, as inside a compiled graph, never the host's (a Python
-    launch path slower than its kernels would otherwise be timed instead of them: 50-100 us per
-    call against 10-40 us of GPU time, seen on the H200).
+    launch path slower than its kernels would otherwise be timed instead of them).
     """
     graph = capture_graph(calls)
     return [replay_ms(graph) / len(calls) for _ in range(replays)]

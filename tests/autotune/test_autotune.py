@@ -360,9 +360,7 @@ def test_random_inputs_keep_the_layout_of_the_call():
     """HF's q and k are transposed views of (B, S, H, D): RoPE picks its grid (and Triton its
     autotune key) by that layout, so timing contiguous copies timed another launch, whose config
     record a compile then did not find (seen on the H200: _rope_kernel benchmarked in a warm compile)."""
-    (rope_call,) = [
-        c for c in calls_from_entry("inductor_ext.bench.autotune:block", grad=False) if c.op == "fastops::rope_fwd"
-    ]
+    (rope_call,) = [c for c in calls_from_entry("benchmarks.autotune:block", grad=False) if c.op == "fastops::rope_fwd"]
     q_template = rope_call.args[0]
     assert q_template.device.type == "meta" and not q_template.is_contiguous()
     made = random_inputs(rope_family.fwd, rope_call.args, "cpu")

@@ -17,6 +17,8 @@ import torch
 
 from tests.distributed.launch import results_of_two_ranks
 
+pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-rank launches, one at a time
+
 STEPS = 3
 BATCH, SEQ = 4, 16
 MODES = ("eager", "fastops_inductor", "inductor")

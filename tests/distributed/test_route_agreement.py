@@ -15,6 +15,8 @@ import torch
 
 from tests.distributed.launch import results_of_two_ranks
 
+pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-rank launches, one at a time
+
 
 def _run(rank: int, world_size: int, results_path: str) -> None:
     import torch.distributed as dist

@@ -20,6 +20,8 @@ import torch
 
 from tests.distributed.launch import results_of_two_ranks
 
+pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-rank launches, one at a time
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:

@@ -2,7 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from tests.distributed.launch import run_on_two_ranks
+
+pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-rank launches, one at a time
 
 RECORDS = 40
 

@@ -19,6 +19,8 @@ import torch
 
 from tests.distributed.launch import results_of_two_ranks
 
+pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-rank launches, one at a time
+
 ROWS, CLASSES = 11, 41
 
 

@@ -475,7 +475,7 @@ def test_weight_grad_numerics_report():
     float64's dW once. (Run without the interpreter,
     the Liger-style emulation matches the low-memory mode to three digits; under it, our gradient is
     truncated to bf16 by the Triton kernel, the emulation's rounded to nearest.)"""
-    from inductor_ext.bench.fused_linear_cross_entropy import format_weight_grad_numerics, weight_grad_numerics
+    from benchmarks.fused_linear_cross_entropy import format_weight_grad_numerics, weight_grad_numerics
 
     rows = weight_grad_numerics((96, 16, 64), chunk_counts=(2, 12), device=DEVICE)
     assert [r["chunks"] for r in rows] == [2, 12, None]

@@ -99,7 +99,7 @@ SM90_COMPILE = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.backends.compiler import GPUTarget
-from inductor_ext.bench.compile_cost import compile_one, fake_cuda
+from benchmarks.compile_cost import compile_one, fake_cuda
 from inductor_ext.kernels.nf4 import BLOCK, NESTED_BLOCKSIZE, NUM_WARPS, nf4_dequantize_kernel
 
 n = 4096 * 64

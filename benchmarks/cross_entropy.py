@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from benchmarks.harness import Inputs, Provider, Result, run_providers
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
 
 SHAPES = [(8192, 128256), (4096, 256000), (16384, 32000)]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from benchmarks.harness import Inputs, Provider, Result, run_providers
 from inductor_ext.ops.decode_attention import decode_attention
 from inductor_ext.runtime.generation.attention import sdpa_on_cache_heads
 

@@ -1,8 +1,9 @@
-"""Where a step's GPU time goes, kernel by kernel (``bench train --kernel-table``): each kernel's time,
+"""``python -m benchmarks kernel_table [--model llama-3.2-1b] [--provider fastops_inductor] [--out DIR]``:
+where one ``bench train`` provider's step spends its GPU time, kernel by kernel: each kernel's time,
 the bytes its launch arguments hold and its rate against the measured copy bandwidth; and how long the
 GPU sat idle between kernels.
 
-- **Time and idle gaps**: :func:`inductor_ext.bench.harness.gpu_timeline`.
+- **Time and idle gaps**: :func:`benchmarks.harness.gpu_timeline`.
 - **Bytes** (:func:`launch_bytes`): Inductor records each Triton kernel it launches (its own and ours,
   lowered into its graphs) under the kernel's name with the kernel's arguments; with ``record_shapes``
   the trace holds every tensor argument's sizes and dtype, and their sum is the bytes of every buffer
@@ -15,6 +16,7 @@ GPU sat idle between kernels.
   ``aten::fill_ 128256x2048 bfloat16`` says which buffer a fill kernel zeroes).
 """
 
+import argparse
 import dataclasses
 import json
 import math
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Timeline, kernel_class
+from benchmarks.harness import Timeline, copy_bandwidth_gbps, gpu_timeline, kernel_class
 
 _TRACE_DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32, "double": torch.float64, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16,
@@ -169,3 +171,37 @@ def markdown(rows: list[dict[str, Any]], top: int = 25, width: int = 60) -> str:
     ]  # fmt: skip
     headers = ["kernel", "class", "launches", "ms / step", "GB / step", "GB/s", "% of copy", "launched by"]
     return tabulate(table, headers=headers, tablefmt="github")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train ``--provider`` (a ``bench train`` provider) for a few steps in this process, then profile two
+    steps for the kernels' times and one for their bytes; print the table and write it as JSON."""
+    from inductor_ext.bench.train.model import MODELS
+    from inductor_ext.bench.train.providers import parse_provider
+    from inductor_ext.bench.train.worker import make_step, prepare_model, training_data
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks kernel_table", description=main.__doc__)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--provider", default="fastops_inductor", help="a bench train provider (preset or key=value)")
+    p.add_argument("--top", type=int, default=25, help="rows printed")
+    p.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("kernel_table needs a CUDA GPU")
+    args.device, args.loss_chunk_size, args.padded_batch, args.attention_mask = "cuda", None, 8, "none"
+    provider = parse_provider(args.provider)
+    step = make_step(prepare_model(args, provider, "cuda"), provider, "none")
+    data = iter(training_data(args, provider, 8, "cuda"))
+    for _ in range(5):  # compile and warm up
+        for batch in next(data):
+            step(batch)
+    timeline = gpu_timeline(lambda: [step(batch) for batch in next(data)], 2)
+    launched = profile_launches(lambda: [step(batch) for batch in next(data)])
+    rows = kernel_rows(timeline, launched, copy_bandwidth_gbps())
+    print(markdown(rows, top=args.top))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernel_table_{args.model}_{args.batch}x{args.seq}.json"
+    path.write_text(json.dumps({"provider": provider.to_json(), "rows": rows}, indent=1))
+    return 0

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench projections [--models llama-3.2-1b llama-3.1-8b] [--tokens 8192] [--out DIR]``:
+"""``python -m benchmarks projections [--models llama-3.2-1b llama-3.1-8b] [--tokens 8192] [--out DIR]``:
 whether one decoder layer's sibling projections (q/k/v, gate/up) train faster as one matrix product over
 concatenated weights than as separate ones, measured before the backend or the patch fuses them.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench import harness
+from benchmarks import harness
 from inductor_ext.bench.train import MODELS
 
 Spelling = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor]], tuple[Any, ...]]
@@ -129,7 +129,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inductor_ext.bench projections", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks projections", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["llama-3.2-1b", "llama-3.1-8b"])
     p.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per step (batch x sequence)")

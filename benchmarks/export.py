@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench.export [--out DIR] [--layers 4] [--batch 4] [--seq 1024]``: a Llama-style
+"""``python -m benchmarks.export [--out DIR] [--layers 4] [--batch 4] [--seq 1024]``: a Llama-style
 decoder stack (:mod:`inductor_ext.bench.llama`, bf16, inference forward) exported with
 :func:`inductor_ext.export`, side by side with eager, ``torch.compile`` and
 ``torch.compile(backend="fastops_inductor")``.
@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 import inductor_ext
-from inductor_ext.bench.harness import do_bench_median, model_bench_parser, parse_on_gpu, rel_err
+from benchmarks.harness import do_bench_median, model_bench_parser, parse_on_gpu, rel_err
 from inductor_ext.bench.llama import LlamaStyleDecoder
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_bench_parser("python -m inductor_ext.bench export", __doc__, layers=4, batch=4, seq=1024)
+    parser = model_bench_parser("python -m benchmarks export", __doc__, layers=4, batch=4, seq=1024)
     args = parse_on_gpu(parser, argv)
     from tabulate import tabulate
 

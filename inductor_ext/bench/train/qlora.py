@@ -1,20 +1,19 @@
-"""The frozen base of ``python -m inductor_ext.bench train --qlora``: the decoder's linear layers as
-bitsandbytes NF4 :class:`bitsandbytes.nn.Linear4bit` (QLoRA's recipe: 4-bit NormalFloat, blocks of
-:data:`NF4_BLOCKSIZE` weights, the blocks' absmax constants quantised again: double quantisation),
-computing in the model's dtype. PEFT then wraps each as its ``lora.Linear4bit``, as for a model that
-transformers loaded with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<the model's dtype>)``.
+"""The frozen base of ``bench train``'s ``qlora`` providers: the decoder's linear layers as bitsandbytes NF4
+:class:`bitsandbytes.nn.Linear4bit` (4-bit NormalFloat, blocks of :data:`NF4_BLOCKSIZE` weights, double
+quantisation), computing in the model's dtype, as transformers loads a model with
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)``.
+PEFT then wraps each as its ``lora.Linear4bit``.
 
-PEFT's ``prepare_model_for_kbit_training`` is not called: it upcasts every parameter that is not
-4-bit (norms, embeddings, LM head) to float32, and every provider of the benchmark keeps one model
-dtype (bf16), so that the QLoRA rows differ from the LoRA rows by the quantised base only."""
+PEFT's ``prepare_model_for_kbit_training`` is not called: it upcasts every parameter that is not 4-bit
+to float32, and every provider keeps one model dtype (bf16), so QLoRA rows differ from LoRA rows by the
+quantised base only."""
 
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from inductor_ext.bench.train import LORA_TARGETS
+from inductor_ext.bench.train.model import LORA_TARGETS
 
 NF4: dict[str, Any] = {"quant_type": "nf4", "compress_statistics": True, "quant_storage": torch.uint8}
 """The quantisation of every base weight: NF4, double quantisation, packed two codes a byte."""

@@ -3,7 +3,7 @@ torch.compile of our op's aten math (the baseline: what the backend emits inside
 today), and our Triton kernel.
 
 Shapes are weight shapes ``out x in`` (Llama-3.1-8B's MLP and attention projections). The weight is
-random normal in the output dtype, quantised as QLoRA's bases are (:mod:`inductor_ext.bench.qlora`:
+random normal in the output dtype, quantised as QLoRA's bases are (:mod:`inductor_ext.bench.train.qlora`:
 NF4, blocks of 64, double quantisation, codes packed two a byte). Forward only: the base is frozen.
 Minimal bytes (``n = out · in``, ``s`` bytes per output element): the packed codes read and the
 weight written, ``n / 2 + n · s``. The scales are left out: with double quantisation one uint8 per
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
-from inductor_ext.bench.qlora import NF4, NF4_BLOCKSIZE
+from benchmarks.harness import Inputs, Provider, Result, run_providers
+from inductor_ext.bench.train.qlora import NF4, NF4_BLOCKSIZE
 from inductor_ext.ops.nf4 import Nf4Weight, _dequantize_kernel, dequantize_math
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
+from benchmarks.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384), (65536, 2048)]

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench guards [--model llama-3.2-1b] [--iters 1000] [--out DIR]``: the host
+"""``python -m benchmarks guards [--model llama-3.2-1b] [--iters 1000] [--out DIR]``: the host
 cost of Dynamo's guards on an HF model's compiled training forward, per ``guard_filter_fn``.
 
 Dynamo checks a compiled frame's guards on every call, on the CPU, before the compiled code runs:
@@ -74,7 +74,7 @@ def measure(module: torch.nn.Module, guard_filter: Any, iters: int, repeats: int
 def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench guards", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks guards", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-1b")
     parser.add_argument("--iters", type=int, default=1000, help="guard checks per latency measurement")

@@ -9,7 +9,7 @@ most samples (inclusive, and as the innermost frame), and writes them to ``OUT/s
 ``--compile-threads 1`` also runs every provider with Inductor compiling in the main process, so
 the samples show what its worker processes would otherwise spend.
 
-    python -m inductor_ext.bench profile_compile OUT [--providers torch_compile fastops_kernel ...]
+    python -m benchmarks profile_compile OUT [--providers torch_compile fastops_kernel ...]
         [--compile-threads 1] [--interval-ms 5] [--top 40]
 """
 
@@ -93,8 +93,8 @@ def child(name: str, out: Path, interval: float, top: int) -> None:
     import torch
     from torch._dynamo.utils import compile_times
 
-    from inductor_ext.bench import backend
-    from inductor_ext.bench.harness import show_route_timing
+    from benchmarks import backend
+    from benchmarks.harness import show_route_timing
 
     show_route_timing()
     shape = argparse.Namespace(layers=4, batch=2, seq=2048, hidden=4096)
@@ -115,7 +115,7 @@ def child(name: str, out: Path, interval: float, top: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m inductor_ext.bench profile_compile",
+        prog="python -m benchmarks profile_compile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.out, args.interval_ms / 1e3, args.top)
         return 0
-    from inductor_ext.bench.harness import fresh_cache_env
+    from benchmarks.harness import fresh_cache_env
 
     thread_settings: list[dict[str, str]] = [{}] + (
         [{"TORCHINDUCTOR_COMPILE_THREADS": str(args.compile_threads)}] if args.compile_threads else []
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch, database = tempfile.mkdtemp(), tempfile.mkdtemp()
         for name in args.providers:
             env = fresh_cache_env(scratch, database if name.startswith("fastops_auto") else tempfile.mkdtemp())
-            command = [sys.executable, "-m", "inductor_ext.bench", "profile_compile", str(args.out), "--child", name,
+            command = [sys.executable, "-m", "benchmarks", "profile_compile", str(args.out), "--child", name,
                        "--interval-ms", str(args.interval_ms), "--top", str(args.top)]  # fmt: skip
             subprocess.run(command, env={**os.environ, **env, **threads}, check=False)
     return 0

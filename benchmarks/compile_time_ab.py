@@ -2,7 +2,7 @@
 variable at 0 and at 1, plus ``torch.compile``'s each round: every run a fresh process with empty
 Inductor, Triton and tuning caches, as ``bench backend``'s compile times.
 
-    python -m inductor_ext.bench compile_time_ab PROVIDER VAR [--repeats 4] [--layers 4]
+    python -m benchmarks compile_time_ab PROVIDER VAR [--repeats 4] [--layers 4]
 
 PROVIDER: torch_compile, fastops_auto, fastops_kernel or fastops_inductor. Compile times vary by
 machine (on the H200, ``torch.compile`` took 10 to 17 s in one run), so compare within one run; one round
@@ -12,13 +12,13 @@ of ``fastops_kernel`` takes about 40 s.
 import argparse
 import tempfile
 
-from inductor_ext.bench.backend import first_step_command
-from inductor_ext.bench.harness import fresh_cache_env, run_child
+from benchmarks.backend import first_step_command
+from benchmarks.harness import fresh_cache_env, run_child
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m inductor_ext.bench compile_time_ab",
+        prog="python -m benchmarks compile_time_ab",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_providers
+from benchmarks.harness import Inputs, Provider, Result, run_providers
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,

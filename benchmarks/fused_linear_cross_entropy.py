@@ -9,7 +9,7 @@ time is what counts. :func:`run` also prints achieved TFLOP/s and the peak memor
 call adds (``torch.cuda.max_memory_allocated`` above what the inputs hold).
 
 :func:`weight_grad_numerics` (any device, CPU by default; ``python -m
-inductor_ext.bench.fused_linear_cross_entropy``) measures the relative error of ``dW``
+benchmarks.fused_linear_cross_entropy``) measures the relative error of ``dW``
 against float64 for each ``weight_grad_accumulation`` and a Liger-Kernel-style emulation.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import triton
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, rel_err, run_providers
+from benchmarks.harness import Inputs, Provider, Result, rel_err, run_providers
 from inductor_ext.ops.fused_linear_cross_entropy import (
     WEIGHT_GRAD_ACCUMULATIONS,
     WeightGradAccumulation,
@@ -229,7 +229,7 @@ def format_weight_grad_numerics(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m inductor_ext.bench.fused_linear_cross_entropy",
+        prog="python -m benchmarks.fused_linear_cross_entropy",
         description="dW's relative error against float64 per weight_grad_accumulation and chunk count",
     )
     parser.add_argument("--shape", default="x".join(map(str, NUMERICS_SHAPE)), help="NxHxV")

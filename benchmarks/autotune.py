@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1] [--parts a b c]``:
+"""``python -m benchmarks autotune [--out DIR] [--batch 1] [--seq 4096] [--layers 1] [--parts a b c]``:
 the standalone autotuner against its targets (below). (a) and (b) take about 2 minutes on an H200,
 (c) over 5 (five fresh processes, each compiling from empty caches): give (c) its own device call.
 
@@ -25,7 +25,7 @@ What is measured:
     are the same), each first-call / export wall time in its own fresh process with empty
     Inductor and Triton caches, against an empty tuning database (cold: routes and kernels are
     timed during the compile) and one filled beforehand by ``python -m inductor_ext.autotune tune
-    --entry inductor_ext.bench.autotune:block --no-grad`` (warm). Each process counts the timing
+    --entry benchmarks.autotune:block --no-grad`` (warm). Each process counts the timing
     runs made during its compile: route timings (``measure_routes``), ``benchmark_all_configs``
     of our kernels and of Inductor's generated ones (``triton_*``), and multi-kernel picks.
     Target: warm / cold ≤ 0.70, no route timing and no benchmarking of our kernels when warm.
@@ -50,10 +50,7 @@ from unittest import mock
 import torch
 
 import inductor_ext
-from inductor_ext.autotune.calls import OpCall
-from inductor_ext.autotune.trace import calls_from_hf_config
-from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.bench.harness import (
+from benchmarks.harness import (
     fresh_cache_env,
     model_bench_parser,
     parse_on_gpu,
@@ -62,6 +59,9 @@ from inductor_ext.bench.harness import (
     run_child,
     show_route_timing,
 )
+from inductor_ext.autotune.calls import OpCall
+from inductor_ext.autotune.trace import calls_from_hf_config
+from inductor_ext.autotune.tune import tune_calls
 from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
@@ -98,7 +98,7 @@ def block(spelling: str = "hf") -> tuple[torch.nn.Module, list[Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     # --batch, --seq, --layers apply to (a); --layers does not change the shapes
-    parser = model_bench_parser("python -m inductor_ext.bench autotune", __doc__, layers=1, batch=1, seq=4096)
+    parser = model_bench_parser("python -m benchmarks autotune", __doc__, layers=1, batch=1, seq=4096)
     parser.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["a", "b", "c"],
                         help="which measurements to make ((b) needs (a))")  # fmt: skip
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="(c): which compiles")
@@ -256,7 +256,7 @@ def _compile_cold_and_warm(scratch: str, phases: list[str], save: Callable[[str,
     """(c): fill a warm database for the block, then each compile phase in fresh processes, cold and warm."""
     warm_db = tempfile.mkdtemp(dir=scratch)
     start = time.perf_counter()
-    tune = [sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "inductor_ext.bench.autotune:block",
+    tune = [sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "benchmarks.autotune:block",
             "--no-grad"]  # fmt: skip
     subprocess.run(tune, env={**os.environ, **fresh_cache_env(scratch, warm_db)}, check=True)
     report: dict[str, Any] = {"block": {**BLOCK, "input": BLOCK_INPUT}, "warm_db_tune_s": time.perf_counter() - start,
@@ -273,7 +273,7 @@ def _compile_cold_and_warm(scratch: str, phases: list[str], save: Callable[[str,
 
 def _run_phase(phase: str, scratch: str, tuning_dir: str) -> dict[str, Any]:
     print(f"{phase} compile, tuning database {tuning_dir} ...", flush=True)
-    command = [sys.executable, "-m", "inductor_ext.bench", "autotune", "--phase", phase]
+    command = [sys.executable, "-m", "benchmarks", "autotune", "--phase", phase]
     return run_child(command, fresh_cache_env(scratch, tuning_dir))
 
 

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]
+"""``python -m benchmarks backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]
 [--no-compile-times | --compile-times-only] [--compile-providers PROVIDER ...]``:
 an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
 forward+backward, side by side: eager, ``torch.compile`` default, and
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from inductor_ext.bench.harness import (
+from benchmarks.harness import (
     capture_graphs,
     do_bench_median,
     fresh_cache_env,
@@ -86,7 +86,7 @@ def _first_step_s(name: str, args: Any) -> float:
 def first_step_command(args: Any, provider: str) -> list[str]:
     """The child process that prints ``provider``'s first-step (compile) seconds for ``args``'s decoder
     (``layers``, ``batch``, ``seq``, ``hidden``); run it with :func:`run_child`."""
-    return [sys.executable, "-m", "inductor_ext.bench", "backend", "--layers", str(args.layers),
+    return [sys.executable, "-m", "benchmarks", "backend", "--layers", str(args.layers),
             "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
             "--first-step", provider]  # fmt: skip
 
@@ -111,7 +111,7 @@ def _compile_times(args: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_bench_parser("python -m inductor_ext.bench backend", __doc__, layers=4, batch=2, seq=2048)
+    parser = model_bench_parser("python -m benchmarks backend", __doc__, layers=4, batch=2, seq=2048)
     parser.add_argument("--hidden", type=int, default=4096)
     compile_times = parser.add_mutually_exclusive_group()
     compile_times.add_argument("--no-compile-times", action="store_true",

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench optimizer [--models llama-3.2-1b ...] [--out DIR]``: one AdamW step over a
+"""``python -m benchmarks optimizer [--models llama-3.2-1b ...] [--out DIR]``: one AdamW step over a
 model's parameters against its bandwidth floor, as PyTorch offers it: ``fused=True`` (one
 ``multi_tensor_apply`` kernel per chunk of tensors, what ``bench train`` steps with), ``foreach=True``,
 and the ``foreach`` step compiled by Inductor (``torch.compile(optimizer.step)``, the ``*_compiled_adamw``
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench import harness
+from benchmarks import harness
 from inductor_ext.bench.train import MODELS, build_model
 
 LEARNING_RATE = 1e-6
@@ -67,7 +67,7 @@ def measure(model: str, copy_gbps: float) -> list[dict[str, Any]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m inductor_ext.bench optimizer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks optimizer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["llama-3.2-1b"])
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for optimizer_adamw.json")

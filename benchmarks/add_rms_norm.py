@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
-from inductor_ext.bench.rms_norm import route_check
+from benchmarks.harness import Inputs, Provider, Result, reference_and_backend_providers, run_matrix_op
+from benchmarks.rms_norm import route_check
 from inductor_ext.ops.rms_norm import add_rms_norm, add_rms_norm_ref
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 16384)]

@@ -1,4 +1,4 @@
-"""``python -m inductor_ext.bench document_attention [--shapes 4x2048 1x8192] [--out DIR]``: attention over
+"""``python -m benchmarks document_attention [--shapes 4x2048 1x8192] [--out DIR]``: attention over
 packed documents, forward and forward + backward, side by side.
 
 The rows are the documents ``bench train --packed`` trains on (:mod:`inductor_ext.bench.packing`: seeded
@@ -33,8 +33,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import do_bench_median, rel_err
 from inductor_ext.bench import packing
-from inductor_ext.bench.harness import do_bench_median, rel_err
 from inductor_ext.ops.document_attention import (
     FlexSettings,
     document_causal_attention,
@@ -192,7 +192,7 @@ def run_shape(batch: int, length: int) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inductor_ext.bench document_attention", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks document_attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--shapes", nargs="*", default=[f"{b}x{s}" for b, s in SHAPES], help="ROWSxLENGTH")
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON")

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, reference_and_backend_providers, run_providers
-from inductor_ext.bench.rms_norm import route_check
+from benchmarks.harness import Inputs, Provider, Result, reference_and_backend_providers, run_providers
+from benchmarks.rms_norm import route_check
 from inductor_ext.ops.embedding import embedding
 
 SHAPES = [(128256, 2048), (128256, 4096), (151936, 1024), (32768, 4096)]

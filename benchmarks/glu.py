@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from inductor_ext.bench.harness import Inputs, Provider, Result, run_matrix_op
+from benchmarks.harness import Inputs, Provider, Result, run_matrix_op
 from inductor_ext.ops.glu import swiglu, swiglu_packed, swiglu_ref
 
 SHAPES = [(16384, 14336), (8192, 11008), (4096, 28672)]

@@ -7,7 +7,7 @@ those shapes without running anything (meta tensors), then compiles each launche
 order), and prints compile seconds, registers per thread and spill bytes (``cuobjdump
 -res-usage`` on the cubin; Triton's wheel ships the CUDA tools, no GPU or driver is needed).
 
-    python -m inductor_ext.bench compile_cost [CALLS.json] [--configs 4] [--arch 90] [--stage ttir]
+    python -m benchmarks compile_cost [CALLS.json] [--configs 4] [--arch 90] [--stage ttir]
 
 CALLS.json defaults to a Llama-3-8B decoder's calls (``calls_llama3_8b_decoder.json`` beside this module).
 
@@ -116,7 +116,7 @@ DEFAULT_CALLS = Path(__file__).with_name("calls_llama3_8b_decoder.json")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m inductor_ext.bench compile_cost",
+        prog="python -m benchmarks compile_cost",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
