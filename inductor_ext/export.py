@@ -23,6 +23,7 @@ from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.ops._library import route_ops
+from inductor_ext.package_inputs import METADATA_KEY, ExpectedInputs, check_contiguous, record_inputs
 from inductor_ext.shared_weights import read_weights, share_weights
 from inductor_ext.tuning.database import TuningDatabase
 
@@ -61,13 +62,19 @@ def export_program(
 
 def compile_program(program: torch.export.ExportedProgram, options: Mapping[str, Any] | None = None) -> list[Any]:
     """AOTInductor's files for ``program`` (what ``torch._inductor.package.package_aoti`` bundles as one
-    model of a package), with our graph rewrites and route decisions; ``options`` as :func:`export`'s."""
+    model of a package), with our graph rewrites and route decisions; ``options`` as :func:`export`'s.
+    The model's metadata records what its inputs must be (:mod:`inductor_ext.package_inputs`)."""
+    inputs = record_inputs(program)
     ours, inductor_options = parse_options(options, default_multi_kernel=None)
     if ours.causal_mask:  # torch.export makes transformers materialise its causal mask: call SDPA with is_causal
         rewrite_causal_masks(program.graph_module, assume_no_padding=ours.assume_no_padding)
     if ours.document_mask:  # packed position_ids: block-sparse document attention, as under the backend
         rewrite_document_masks(program.graph_module)
     patches = {**inductor_options, **ours.inductor_patches(), "aot_inductor.package": True}
+    # a dict of its own: AOTInductor adds its entries to the one it is given
+    patches["aot_inductor.metadata"] = {**patches.get("aot_inductor.metadata", {})}
+    if inputs is not None:
+        patches["aot_inductor.metadata"][METADATA_KEY] = inputs
     # AOTInductor always emits C++; so, as for the cpp_wrapper option (docs/backend.md), tune at compile
     # time explicitly: multi-kernel asserts without it on some versions
     patches.pop("cpp_wrapper", None)
@@ -110,28 +117,29 @@ def export(
 class Package:
     """A loaded AOTInductor package: call it with arguments shaped as the exported example's.
 
-    An AOTInductor package indexes each tensor input with the strides of the example it was compiled
-    for, without checking them: a strided view such as ``ids[:, :n]`` is read as if it were contiguous
-    (seen as a garbage second row of a prompt slice). Every :func:`export` example here is contiguous, so
-    a call refuses non-contiguous tensors with an error naming the argument, rather than copy them: a copy
-    of an input the package updates in place (a KV cache) would drop the update. Other attributes
-    (``get_metadata``, ...) are the loader's.
+    An AOTInductor package reads each tensor input as the example it was compiled for, without checking
+    it: another batch at a static size gives garbage rows, a strided view such as ``ids[:, :n]`` is read
+    as if it were contiguous (seen as a garbage second row of a prompt slice). A call checks each tensor
+    against the inputs the package recorded at export (:mod:`inductor_ext.package_inputs`: device type,
+    dtype, static sizes, dynamic sizes' ranges) and refuses non-contiguous ones (every :func:`export`
+    example here is contiguous) rather than copy them, since a copy of an input the package updates in
+    place (a KV cache) would drop the update; each error names the argument. A package exported before
+    the record existed gets the layout check only. Other attributes (``get_metadata``, ...) are the loader's.
     """
 
     def __init__(self, runner: Any, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         self._runner = runner
         self._weights = weights  # the package's shared weights, which the runner uses but does not own
+        self._inputs = ExpectedInputs.of(runner.get_metadata())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
-            for index, tensor in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-                if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-                    where = f"{name}[{index}]" if isinstance(value, (list, tuple)) else name
-                    raise ValueError(
-                        f"inductor_ext package: {where} must be contiguous, got strides {tensor.stride()} for shape "
-                        f"{tuple(tensor.shape)} (the package reads inputs in its example's contiguous layout; "
-                        "call .contiguous() first)"
-                    )
+        if self._inputs is not None:
+            self._inputs.check(args, kwargs)
+        else:
+            for name, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+                for index, tensor in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                    if isinstance(tensor, torch.Tensor):
+                        check_contiguous(f"{name}[{index}]" if isinstance(value, (list, tuple)) else name, tensor)
         return self._runner(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -9,9 +9,11 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench.train import build_model
+from inductor_ext.export import load_models
 from inductor_ext.generation import export_generation, load_generation
 from inductor_ext.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.generation.step import GenerationStep
+from inductor_ext.package_inputs import METADATA_KEY
 from inductor_ext.shared_weights import read_weights
 
 pytest.importorskip("transformers")
@@ -139,6 +141,27 @@ def test_inductor_ext_load_runs_a_generation_graph_on_the_shared_weights(model, 
         want = GenerationStep(model)(*inputs, layer_caches(cache.clone(), 2))
     got = inductor_ext.load(package_path)(*inputs, layer_caches(cache, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_graph_refuses_inputs_unlike_its_own(model, package_path):
+    """Every graph of the package records its own inputs: the static decode graph for batch 1 refuses a
+    batch of 2; the dynamic graph a cache tensor of another dtype (named by its index in the list) and
+    ``position_ids`` whose token count is not ``input_ids``' (one dimension of the exported program)."""
+    graphs = load_models(package_path)
+    assert sorted(graphs) == ["decode_batch_1", "decode_batch_3", "model"]
+    assert all(METADATA_KEY in graph.get_metadata() for graph in graphs.values())
+    ids = _prompt(model, 2, 9, seed=6)
+    slots = torch.ones(2, MAX_SEQ, dtype=torch.long)
+    caches = layer_caches(torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ)), 2)
+    positions = torch.arange(9).expand(2, 9).contiguous()
+    one_token = (ids[:, :1].contiguous(), positions[:, :1].contiguous(), torch.arange(1), slots, caches)
+    with pytest.raises(ValueError, match=r"argument 0 must have shape \(1, 1\), got \(2, 1\)"):
+        graphs["decode_batch_1"](*one_token)
+    caches_with_a_double = [cache.double() if i == 1 else cache for i, cache in enumerate(caches)]
+    with pytest.raises(ValueError, match=r"argument 4\[1\] must be torch.float32, got torch.float64"):
+        graphs["model"](ids, positions, torch.arange(9), slots, caches_with_a_double)
+    with pytest.raises(ValueError, match=r"argument 1 must have shape .* got \(2, 8\) .*where argument 0 has 9"):
+        graphs["model"](ids, positions[:, :8].contiguous(), torch.arange(9), slots, caches)
 
 
 def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, tmp_path):
