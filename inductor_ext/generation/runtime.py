@@ -59,16 +59,27 @@ class GenerationPackage:
                 f"generate: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the package's "
                 f"max_seq_len {self.max_seq_len}"
             )
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.vocab_size):
-            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        checks = [((input_ids >= 0) & (input_ids < self.vocab_size)).all()]
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                    f"got {tuple(attention_mask.shape)}"
+            if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+                got = (
+                    tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
                 )
-            if not bool((attention_mask != 0).any(dim=1).all()):
-                raise ValueError("generate: every row of attention_mask needs a real token (a 1)")
+                raise ValueError(
+                    f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}"
+                )
+            mask = attention_mask.to(input_ids.device)
+            checks += [((mask == 0) | (mask == 1)).all(), (mask != 0).any(dim=1).all()]
+        # one host sync for every check of the values
+        in_vocabulary, *mask_checks = torch.stack(checks).tolist()
+        if not in_vocabulary:
+            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        if mask_checks and not mask_checks[0]:
+            raise ValueError(
+                "generate: attention_mask must hold only 0 (padding) and 1 (a real token), got other values"
+            )
+        if mask_checks and not mask_checks[1]:
+            raise ValueError("generate: every row of attention_mask needs a real token (a 1)")
 
     @torch.no_grad()
     def generate(
@@ -87,7 +98,8 @@ class GenerationPackage:
         """The prompt and its continuation, ``(batch, prompt + generated)``, as ``generate`` returns them.
 
         The sampling defaults are transformers' ``GenerationConfig`` defaults (temperature 1, top-k 50);
-        ``top_k=None`` samples from the whole vocabulary. ``pad_token_id`` (written after a row's end)
+        ``top_k=None`` samples from the whole vocabulary. ``attention_mask`` is ``generate``'s: 1 for a real
+        token, 0 for (left) padding, in any dtype. ``pad_token_id`` (written after a row's end)
         defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it;
         ``eos_token_id`` replaces the model's end-of-sequence tokens. ``streamer`` (e.g. transformers'
         ``TextStreamer``) gets what ``generate`` gives it: ``put`` of the prompt, then of each new token

@@ -63,6 +63,8 @@ def test_left_padded_batch_equals_hf_generate(model, package):
     mask[2, :1] = 0
     ours = package.generate(ids, 9, attention_mask=mask, pad_token_id=PAD)
     torch.testing.assert_close(ours, _hf(model, ids, 9, attention_mask=mask, do_sample=False), rtol=0, atol=0)
+    as_bool = package.generate(ids, 9, attention_mask=mask.bool(), pad_token_id=PAD)
+    torch.testing.assert_close(as_bool, ours, rtol=0, atol=0)
 
 
 def test_seeded_sampling_equals_hf_generate(model, package):
@@ -185,6 +187,9 @@ def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, t
         (lambda p, ids: p.generate(ids, 2, do_sample=True, temperature=0.0), "temperature must be > 0"),
         (lambda p, ids: p.generate(ids + 1000, 2), "must lie in \\[0, 256\\)"),
         (lambda p, ids: p.generate(ids, 2, attention_mask=torch.zeros_like(ids)), "needs a real token"),
+        # 0.5 would pass for a real token and then be cast to 0 (padding); 2 would count twice in the positions
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.full((1, 4), 0.5)), "attention_mask must hold only 0"),
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.full((1, 4), 2)), "attention_mask must hold only 0"),
     ],
 )
 def test_bad_generate_arguments_are_refused(model, package, call, message):
