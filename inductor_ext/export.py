@@ -8,13 +8,15 @@ into a ``.pt2`` package (``aot_compile``, ``package_aoti``). Packages run from P
 (:func:`load`) or from C++ with no Python (:mod:`inductor_ext.cpp_runner`).
 """
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch._inductor.package import package_aoti
-from torch.export.pt2_archive._package import load_pt2
+from torch.export.pt2_archive._package import PT2ArchiveReader, load_pt2
+from torch.export.pt2_archive.constants import AOTINDUCTOR_DIR
 
 from inductor_ext import _compat
 from inductor_ext.cxx_runtime import carries_static_cxx_runtime, promote_cxx_runtime
@@ -146,34 +148,60 @@ class Package:
         return getattr(self._runner, name)
 
 
-def load(path: str | Path) -> Package:
-    """The callable of an AOTInductor package (its model ``"model"``), as a :class:`Package`.
+def load(path: str | Path, device: torch.device | str | None = None) -> Package:
+    """The callable of an AOTInductor package (its model ``"model"``), as a :class:`Package`; ``device`` as
+    :func:`load_models`'.
 
     A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
     g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
     only, the process's C++ runtime is made global first (:func:`inductor_ext.cxx_runtime.promote_cxx_runtime`).
     """
-    models = load_models(path)
+    models = load_models(path, device)
     if "model" not in models:
         raise ValueError(f"inductor_ext.load: {path} has no model named 'model' (it has {sorted(models)})")
     return models["model"]
 
 
-def load_models(path: str | Path) -> dict[str, Package]:
+def package_device_type(path: str | Path) -> str:
+    """The device type a package's models were compiled for (their ``AOTI_DEVICE_KEY``), read from the
+    archive without loading them."""
+    with PT2ArchiveReader(str(path)) as reader:
+        for name in reader.get_file_names():
+            if name.startswith(AOTINDUCTOR_DIR) and name.endswith("_metadata.json"):
+                return str(json.loads(reader.read_string(name))["AOTI_DEVICE_KEY"])
+    raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
+
+
+def load_models(path: str | Path, device: torch.device | str | None = None) -> dict[str, Package]:
     """Every model of a package by name (:func:`export` writes one, ``"model"``; a generation package
     more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one). A
     package that stores its weights once for all its models (:mod:`inductor_ext.shared_weights`) has
-    them read onto its device once and given to every model."""
+    them read onto its device once and given to every model.
+
+    ``device``: where the models run, of the device type they were compiled for (a CUDA package on
+    ``cuda:N``); default, that type's default device. Any other type is refused: the models' code is
+    that device's (a CPU package called with meta tensors crashed the process)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
+    own = package_device_type(path)
+    try:
+        target = torch.device(own if device is None else device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"inductor_ext.load: device must be a torch.device or its name, got {device!r}") from error
+    if target.type != own:
+        raise ValueError(
+            f"inductor_ext.load: device must be of the package's device type {own!r} (it was exported for "
+            f"{own}), got {device!r}"
+        )
     if carries_static_cxx_runtime(path):
         promote_cxx_runtime()
-    runners = load_pt2(str(path)).aoti_runners
+    # the loader takes an index for a CUDA device only (a CPU model refuses any)
+    index = -1 if target.index is None or target.type == "cpu" else target.index
+    runners = load_pt2(str(path), device_index=index).aoti_runners
     if not runners:
         raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
-    device = torch.device(next(iter(runners.values())).get_metadata()["AOTI_DEVICE_KEY"])
-    weights = read_weights(path, device)
+    weights = read_weights(path, target)
     if weights is not None:
         for runner in runners.values():
             share_weights(runner, weights)

@@ -159,6 +159,13 @@ def test_load_refuses_inputs_unlike_the_exported_ones(static_package, shape, dty
         run(x, x)
 
 
+def test_load_runs_a_package_on_its_own_device_type_only(model, static_package):
+    _, path, x = static_package
+    assert rel_err(inductor_ext.load(path, device=torch.device("cpu"))(x), _eager(model, x)) < FP32_TOL
+    with pytest.raises(ValueError, match=r"device must be of the package's device type 'cpu' .*got 'meta'"):
+        inductor_ext.load(path, device="meta")
+
+
 def test_package_runs_in_a_process_without_inductor_ext(model, static_package, tmp_path):
     _, path, x = static_package
     torch.save({"x": x, "expected": _eager(model, x)}, tmp_path / "io.pt")

@@ -21,14 +21,15 @@ from inductor_ext.generation.metadata import decode, decode_graph_name
 
 
 class GenerationPackage:
-    """A loaded generation package; :meth:`generate` is its entry point."""
+    """A loaded generation package; :meth:`generate` is its entry point. ``device``: where it runs, of
+    the device type it was exported for (a CUDA package on ``cuda:N``); default, that type's default."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
-        models = load_models(path)
+        models = load_models(path, device)
         found = decode(models["model"].get_metadata()) if "model" in models else {}
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
-        self.device = torch.device(device or found["device"])
+        self.device = torch.device(found["device"] if device is None else device)
         self.step = models["model"]
         sizes = [int(n) for n in found.get("decode_batch_sizes", "").split(",") if n]
         self.decode_steps = {n: models[decode_graph_name(n)] for n in sizes}
@@ -158,5 +159,6 @@ class GenerationPackage:
 
 
 def load_generation(path: str | Path, device: torch.device | str | None = None) -> GenerationPackage:
-    """Load a package written by :func:`~inductor_ext.generation.export_generation`."""
+    """Load a package written by :func:`~inductor_ext.generation.export_generation`, to run on ``device``
+    (:class:`GenerationPackage`)."""
     return GenerationPackage(path, device)

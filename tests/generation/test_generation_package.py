@@ -197,6 +197,20 @@ def test_bad_generate_arguments_are_refused(model, package, call, message):
         call(package, _prompt(model, 1, 4))
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("meta", "device must be of the package's device type 'cpu' .*got 'meta'"),
+        ("cuda:1", "device must be of the package's device type 'cpu' .*got 'cuda:1'"),
+        ("gpu", "device must be a torch.device or its name, got 'gpu'"),
+    ],
+)
+def test_a_device_other_than_the_package_s_is_refused(package_path, device, message):
+    """A package exported for the CPU runs there only (on meta, generate crashed the process)."""
+    with pytest.raises(ValueError, match=message):
+        load_generation(package_path, device=device)
+
+
 def test_the_graphs_share_one_copy_of_the_weights(model, package, package_path):
     """Static decode graphs for batches 1 and 3; the weights stored once, every parameter by its name."""
     assert sorted(package.decode_steps) == [1, 3]
