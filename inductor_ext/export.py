@@ -9,6 +9,7 @@ into a ``.pt2`` package (``aot_compile``, ``package_aoti``). Packages run from P
 """
 
 import json
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -162,13 +163,23 @@ def load(path: str | Path, device: torch.device | str | None = None) -> Package:
     return models["model"]
 
 
-def package_device_type(path: str | Path) -> str:
+def _package_device_type(path: str | Path) -> str:
     """The device type a package's models were compiled for (their ``AOTI_DEVICE_KEY``), read from the
     archive without loading them."""
-    with PT2ArchiveReader(str(path)) as reader:
-        for name in reader.get_file_names():
-            if name.startswith(AOTINDUCTOR_DIR) and name.endswith("_metadata.json"):
-                return str(json.loads(reader.read_string(name))["AOTI_DEVICE_KEY"])
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"inductor_ext.load: {path} is not an AOTInductor package: not a zip archive (truncated or corrupt, "
+            "or another kind of file)"
+        )
+    try:
+        with PT2ArchiveReader(str(path)) as reader:
+            for name in reader.get_file_names():
+                if name.startswith(AOTINDUCTOR_DIR) and name.endswith("_metadata.json"):
+                    return str(json.loads(reader.read_string(name))["AOTI_DEVICE_KEY"])
+    except RuntimeError as error:  # torch's archive reader: a zip file that is not a .pt2 archive, or unreadable
+        raise ValueError(
+            f"inductor_ext.load: {path} is not an AOTInductor package ({str(error).splitlines()[0]})"
+        ) from error
     raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
 
 
@@ -184,18 +195,21 @@ def load_models(path: str | Path, device: torch.device | str | None = None) -> d
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
-    own = package_device_type(path)
+    own = _package_device_type(path)
     try:
         target = torch.device(own if device is None else device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"inductor_ext.load: device must be a torch.device or its name, got {device!r}") from error
     if target.type != own:
         raise ValueError(
-            f"inductor_ext.load: device must be of the package's device type {own!r} (it was exported for "
-            f"{own}), got {device!r}"
+            f"inductor_ext.load: device must be of the package's device type {own!r} (its code is compiled for "
+            f"it; a CUDA package runs on any cuda:N), got {device!r}"
         )
-    if carries_static_cxx_runtime(path):
-        promote_cxx_runtime()
+    try:
+        if carries_static_cxx_runtime(path):
+            promote_cxx_runtime()
+    except zipfile.BadZipFile as error:  # e.g. a CRC error in a library of the package
+        raise ValueError(f"inductor_ext.load: {path} is a corrupt AOTInductor package ({error})") from error
     # the loader takes an index for a CUDA device only (a CPU model refuses any)
     index = -1 if target.index is None or target.type == "cpu" else target.index
     runners = load_pt2(str(path), device_index=index).aoti_runners

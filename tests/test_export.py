@@ -8,6 +8,8 @@ One export + AOTI compile costs ~15 s on two cores: the static one is shared by 
 """
 
 import json
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -157,6 +159,32 @@ def test_load_refuses_inputs_unlike_the_exported_ones(static_package, shape, dty
         run(torch.randn(shape, dtype=dtype, device=device))
     with pytest.raises(ValueError, match="exported with 1 positional argument"):
         run(x, x)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("random", "is not an AOTInductor package: not a zip archive"),
+        ("truncated", "is not an AOTInductor package: not a zip archive"),
+        ("corrupt", "is a corrupt AOTInductor package \\(Bad CRC-32 for file"),
+    ],
+)
+def test_load_names_a_file_that_is_not_a_package(static_package, tmp_path, damage, message):
+    _, path, _ = static_package
+    package = path.read_bytes()
+    if damage == "random":
+        package = random.Random(0).randbytes(4096)
+    elif damage == "truncated":
+        package = package[: len(package) // 2]
+    else:  # a byte flipped inside the compiled library's data
+        with zipfile.ZipFile(path) as archive:
+            library = next(info for info in archive.infolist() if info.filename.endswith(".so"))
+        flipped = library.header_offset + 100 + library.compress_size // 2
+        package = package[:flipped] + bytes([package[flipped] ^ 0xFF]) + package[flipped + 1 :]
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(package)
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + " " + message):
+        inductor_ext.load(bad)
 
 
 def test_load_runs_a_package_on_its_own_device_type_only(model, static_package):
