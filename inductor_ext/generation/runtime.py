@@ -45,7 +45,14 @@ class GenerationPackage:
         self._slots = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long, device=self.device)
         self._cache_positions = torch.arange(self.max_seq_len, device=self.device)  # sliced per call: no copies
 
-    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
+    def _check(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        max_new_tokens: int,
+        pad_token_id: int | None,
+        eos_token_id: int | list[int] | None,
+    ) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("generate: input_ids must be an int64 tensor of shape (batch, prompt length)")
         batch, length = input_ids.shape
@@ -53,9 +60,22 @@ class GenerationPackage:
             raise ValueError(
                 f"generate: batch {batch} is outside the package's 1..{self.max_batch_size} (max_batch_size)"
             )
+        if length < 1:
+            raise ValueError(f"generate: the prompt is empty (input_ids of shape {tuple(input_ids.shape)})")
+        if not _is_int(max_new_tokens):
+            raise TypeError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if length < 1 or length + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens}")
+        if pad_token_id is not None:
+            if not _is_int(pad_token_id):
+                raise TypeError(f"generate: pad_token_id must be an int, got {pad_token_id!r}")
+            if not 0 <= pad_token_id < self.vocab_size:  # a finished row's next input
+                raise ValueError(f"generate: pad_token_id must lie in [0, {self.vocab_size}), got {pad_token_id}")
+        if eos_token_id is not None and not (
+            _is_int(eos_token_id) or (isinstance(eos_token_id, (list, tuple)) and all(map(_is_int, eos_token_id)))
+        ):
+            raise TypeError(f"generate: eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+        if length + max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"generate: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the package's "
                 f"max_seq_len {self.max_seq_len}"
@@ -105,7 +125,7 @@ class GenerationPackage:
         ``eos_token_id`` replaces the model's end-of-sequence tokens. ``streamer`` (e.g. transformers'
         ``TextStreamer``) gets what ``generate`` gives it: ``put`` of the prompt, then of each new token
         (on the CPU: a host sync per token), and ``end``."""
-        self._check(input_ids, attention_mask, max_new_tokens)
+        self._check(input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id)
         if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
             raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
         batch, length = input_ids.shape
@@ -123,7 +143,8 @@ class GenerationPackage:
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         eos = self.eos_token_ids
         if eos_token_id is not None:
-            eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=self.device)
+            eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            eos = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         generated = []
         for index in range(max_new_tokens):
@@ -156,6 +177,10 @@ class GenerationPackage:
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
             logits = logits.masked_fill(logits < kth, -float("inf"))
         return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_generation(path: str | Path, device: torch.device | str | None = None) -> GenerationPackage:

@@ -182,7 +182,9 @@ def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, t
         (lambda p, ids: p.generate(ids.expand(MAX_BATCH + 1, -1), 2), "batch 5 is outside"),
         (lambda p, ids: p.generate(ids, MAX_SEQ), "exceeds the package's max_seq_len"),
         (lambda p, ids: p.generate(ids.int(), 2), "int64 tensor"),
-        (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be >= 1"),
+        (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be an int >= 1, got 0"),
+        (lambda p, ids: p.generate(ids[:, :0], 2), r"the prompt is empty \(input_ids of shape \(1, 0\)\)"),
+        (lambda p, ids: p.generate(ids, 2, pad_token_id=256), r"pad_token_id must lie in \[0, 256\), got 256"),
         (lambda p, ids: p.generate(ids, 2, attention_mask=torch.ones(1, 3)), "attention_mask must have"),
         (lambda p, ids: p.generate(ids, 2, do_sample=True, temperature=0.0), "temperature must be > 0"),
         (lambda p, ids: p.generate(ids + 1000, 2), "must lie in \\[0, 256\\)"),
@@ -195,6 +197,21 @@ def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, t
 def test_bad_generate_arguments_are_refused(model, package, call, message):
     with pytest.raises(ValueError, match=message):
         call(package, _prompt(model, 1, 4))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1, got 2.5"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an int >= 1, got True"),
+        ({"eos_token_id": "foo"}, "eos_token_id must be an int or a list of ints, got 'foo'"),
+        ({"eos_token_id": [2, 3.0]}, r"eos_token_id must be an int or a list of ints, got \[2, 3.0\]"),
+        ({"pad_token_id": 0.0}, "pad_token_id must be an int, got 0.0"),
+    ],
+)
+def test_generate_arguments_of_the_wrong_type_are_named(model, package, arguments, message):
+    with pytest.raises(TypeError, match=message):
+        package.generate(_prompt(model, 1, 4), **{"max_new_tokens": 2, **arguments})
 
 
 @pytest.mark.parametrize(
