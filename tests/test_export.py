@@ -7,6 +7,9 @@ C++, so the package runs without ``inductor_ext`` (and, from C++, without Python
 One export + AOTI compile costs ~15 s on two cores: the static one is shared by the module.
 """
 
+import json
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import torch
 
 import inductor_ext
 from inductor_ext.ops.lora import LoraProjection, lora_linear
+from inductor_ext.runtime.package_inputs import METADATA_KEY
 from tests.tolerances import OUTPUT, rel_err
 
 HIDDEN = 64
@@ -59,12 +63,12 @@ def model() -> LlamaStyleBlock:
 
 @pytest.fixture(scope="module")
 def static_package(model, tmp_path_factory):
-    """(exported program, package path, example input) for a static (2, 8, HIDDEN) input."""
+    """(exported program, package path, example input) for a static (2, 8, HIDDEN) input; the package is
+    ``inductor_ext.export``'s (``torch.export`` and the AOTInductor compile, which costs the seconds)."""
     x = torch.randn(2, 8, HIDDEN)
     ep = torch.export.export(model, (x,))
-    path = tmp_path_factory.mktemp("aoti") / "block.pt2"
-    returned = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
-    return ep, Path(returned), x
+    path = inductor_ext.export(model, (x,), tmp_path_factory.mktemp("aoti") / "block.pt2")
+    return ep, path, x
 
 
 def _targets(ep: torch.export.ExportedProgram) -> list:
@@ -133,6 +137,63 @@ def test_load_refuses_a_strided_input_that_the_package_would_misread(model, stat
     assert run.get_metadata() == torch._inductor.aoti_load_package(str(path)).get_metadata()
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype", "device", "message"),
+    [
+        # a static package given another batch returns that many rows, the extra ones garbage
+        ((3, 8, HIDDEN), torch.float32, "cpu", r"argument 0 must have shape \(2, 8, 64\), got \(3, 8, 64\)"),
+        ((2, 8), torch.float32, "cpu", r"argument 0 must have shape \(2, 8, 64\), got \(2, 8\)"),
+        ((2, 8, HIDDEN), torch.float64, "cpu", r"argument 0 must be torch.float32, got torch.float64"),
+        ((2, 8, HIDDEN), torch.float32, "meta", r"argument 0 must be on cpu, got meta"),
+    ],
+)
+def test_load_refuses_inputs_unlike_the_exported_ones(static_package, shape, dtype, device, message):
+    """The package records its inputs at export (``inductor_ext.runtime.package_inputs``); ``load``'s callable checks them."""
+    _, path, x = static_package
+    run = inductor_ext.load(path)
+    assert json.loads(run.get_metadata()[METADATA_KEY]) == {
+        "args": [[{"shape": list(x.shape), "dtype": "float32", "device": "cpu"}]],
+        "kwargs": {},
+    }
+    with pytest.raises(ValueError, match=message):
+        run(torch.randn(shape, dtype=dtype, device=device))
+    with pytest.raises(ValueError, match="exported with 1 positional argument"):
+        run(x, x)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("random", "is not an AOTInductor package: not a zip archive"),
+        ("truncated", "is not an AOTInductor package: not a zip archive"),
+        ("corrupt", "is a corrupt AOTInductor package \\(Bad CRC-32 for file"),
+    ],
+)
+def test_load_names_a_file_that_is_not_a_package(static_package, tmp_path, damage, message):
+    _, path, _ = static_package
+    package = path.read_bytes()
+    if damage == "random":
+        package = random.Random(0).randbytes(4096)
+    elif damage == "truncated":
+        package = package[: len(package) // 2]
+    else:  # a byte flipped inside the compiled library's data
+        with zipfile.ZipFile(path) as archive:
+            library = next(info for info in archive.infolist() if info.filename.endswith(".so"))
+        flipped = library.header_offset + 100 + library.compress_size // 2
+        package = package[:flipped] + bytes([package[flipped] ^ 0xFF]) + package[flipped + 1 :]
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(package)
+    with pytest.raises(ValueError, match=re.escape(str(bad)) + " " + message):
+        inductor_ext.load(bad)
+
+
+def test_load_runs_a_package_on_its_own_device_type_only(model, static_package):
+    _, path, x = static_package
+    assert rel_err(inductor_ext.load(path, device=torch.device("cpu"))(x), _eager(model, x)) < FP32_TOL
+    with pytest.raises(ValueError, match=r"device must be of the package's device type 'cpu' .*got 'meta'"):
+        inductor_ext.load(path, device="meta")
+
+
 def test_package_runs_in_a_process_without_inductor_ext(model, static_package, tmp_path):
     _, path, x = static_package
     torch.save({"x": x, "expected": _eager(model, x)}, tmp_path / "io.pt")
@@ -167,6 +228,10 @@ def test_dynamic_batch_package(model, tmp_path):
         out = runner(xb)
         assert out.shape == (b, 8, HIDDEN)
         assert rel_err(out, _eager(model, xb)) < FP32_TOL
+    # a package without inductor_ext's record of its inputs (torch's own export) loads, unchecked
+    package = inductor_ext.load(path)
+    assert METADATA_KEY not in package.get_metadata()
+    assert rel_err(package(xb), _eager(model, xb)) < FP32_TOL
 
 
 PROMOTION_CHECK = textwrap.dedent(

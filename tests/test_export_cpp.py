@@ -60,6 +60,21 @@ def test_python_load_matches_eager(model, dynamic_package, shape):
     assert rel_err(compiled(x), _eager(model, x)) < FP32_TOL
 
 
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((65, 8, HIDDEN), r"got \(65, 8, 64\) \(size 65 at dimension 0 is outside the exported range\)"),
+        ((2, 513, HIDDEN), r"got \(2, 513, 64\) \(size 513 at dimension 1 is outside the exported range\)"),
+        ((2, 8, HIDDEN + 1), r"got \(2, 8, 65\)$"),
+    ],
+    ids=["batch", "seq", "hidden"],
+)
+def test_python_load_refuses_sizes_outside_the_exported_ranges(dynamic_package, shape, message):
+    """Each dynamic size within its ``Dim``'s range (a lower bound of 2 admits 1), each static one exact."""
+    with pytest.raises(ValueError, match=r"argument 0 must have shape \(1\.\.64, 1\.\.512, 64\), " + message):
+        inductor_ext.load(dynamic_package)(torch.randn(shape))
+
+
 @pytest.mark.parametrize("shape", [(2, 8, HIDDEN), (5, 100, HIDDEN)], ids=str)
 def test_cpp_runner_matches_eager(model, dynamic_package, runner, shape):
     x = torch.randn(shape)

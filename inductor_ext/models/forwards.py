@@ -199,6 +199,21 @@ def hf_masks_documents(model: Any, kwargs: dict[str, Any], has_cache: bool) -> b
     return find_packed_sequence_indices(positions) is not None
 
 
+def check_position_ids(position_ids: Any, tokens: Any) -> None:
+    """Refuse ``position_ids`` that are not one per token of ``tokens`` (``input_ids`` or ``inputs_embeds``):
+    their last size the token count, a 2-D batch of 1 or the tokens' batch. transformers computes RoPE's
+    cos and sin from them, so a wrong length surfaces only at the rotation, as an error about ``cos``.
+    A comparison of sizes (no host sync; under ``torch.compile`` a guard, not a graph break)."""
+    if not isinstance(position_ids, Tensor) or not isinstance(tokens, Tensor) or tokens.dim() < 2:
+        return
+    batch, length = tokens.shape[0], tokens.shape[1]
+    if position_ids.shape[-1] != length or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+        raise ValueError(
+            f"position_ids must give one position per token: shape (1 or {batch}, {length}) for inputs of "
+            f"{length} tokens in {batch} rows, got {tuple(position_ids.shape)}"
+        )
+
+
 def causal_lm_forward(
     self: Any, input_ids: Tensor | None = None, labels: Tensor | None = None, logits_to_keep: Any = 0, **kwargs: Any
 ) -> Any:
@@ -226,7 +241,9 @@ def causal_lm_forward(
     backward instead of saved (:mod:`inductor_ext.models.recompute`).
 
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
+    ``position_ids`` must be one per token (:func:`check_position_ids`).
     """
+    check_position_ids(kwargs.get("position_ids"), input_ids if input_ids is not None else kwargs.get("inputs_embeds"))
     has_cache = False
     for name in CACHE_ARGUMENTS:
         if name in kwargs and kwargs[name] is None:

@@ -9,9 +9,11 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench.train import build_model
+from inductor_ext.runtime.export import load_models
 from inductor_ext.runtime.generation import export_generation, load_generation
 from inductor_ext.runtime.generation.cache_layout import kv_cache_shape, layer_caches
 from inductor_ext.runtime.generation.step import GenerationStep
+from inductor_ext.runtime.package_inputs import METADATA_KEY
 from inductor_ext.runtime.shared_weights import read_weights
 
 pytest.importorskip("transformers")
@@ -61,6 +63,8 @@ def test_left_padded_batch_equals_hf_generate(model, package):
     mask[2, :1] = 0
     ours = package.generate(ids, 9, attention_mask=mask, pad_token_id=PAD)
     torch.testing.assert_close(ours, _hf(model, ids, 9, attention_mask=mask, do_sample=False), rtol=0, atol=0)
+    as_bool = package.generate(ids, 9, attention_mask=mask.bool(), pad_token_id=PAD)
+    torch.testing.assert_close(as_bool, ours, rtol=0, atol=0)
 
 
 def test_seeded_sampling_equals_hf_generate(model, package):
@@ -141,6 +145,27 @@ def test_inductor_ext_load_runs_a_generation_graph_on_the_shared_weights(model, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_each_graph_refuses_inputs_unlike_its_own(model, package_path):
+    """Every graph of the package records its own inputs: the static decode graph for batch 1 refuses a
+    batch of 2; the dynamic graph a cache tensor of another dtype (named by its index in the list) and
+    ``position_ids`` whose token count is not ``input_ids``' (one dimension of the exported program)."""
+    graphs = load_models(package_path)
+    assert sorted(graphs) == ["decode_batch_1", "decode_batch_3", "model"]
+    assert all(METADATA_KEY in graph.get_metadata() for graph in graphs.values())
+    ids = _prompt(model, 2, 9, seed=6)
+    slots = torch.ones(2, MAX_SEQ, dtype=torch.long)
+    caches = layer_caches(torch.zeros(kv_cache_shape(model.config, 2, MAX_SEQ)), 2)
+    positions = torch.arange(9).expand(2, 9).contiguous()
+    one_token = (ids[:, :1].contiguous(), positions[:, :1].contiguous(), torch.arange(1), slots, caches)
+    with pytest.raises(ValueError, match=r"argument 0 must have shape \(1, 1\), got \(2, 1\)"):
+        graphs["decode_batch_1"](*one_token)
+    caches_with_a_double = [cache.double() if i == 1 else cache for i, cache in enumerate(caches)]
+    with pytest.raises(ValueError, match=r"argument 4\[1\] must be torch.float32, got torch.float64"):
+        graphs["model"](ids, positions, torch.arange(9), slots, caches_with_a_double)
+    with pytest.raises(ValueError, match=r"argument 1 must have shape .* got \(2, 8\) .*where argument 0 has 9"):
+        graphs["model"](ids, positions[:, :8].contiguous(), torch.arange(9), slots, caches)
+
+
 def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, tmp_path):
     """Inductor's ``freezing`` (no static decode graphs): one graph with its weights, no shared record."""
     path = export_generation(model, tmp_path / "frozen.pt2", max_batch_size=2, max_seq_len=24,
@@ -157,16 +182,50 @@ def test_a_frozen_package_holds_its_own_weights_and_generates_hf_tokens(model, t
         (lambda p, ids: p.generate(ids.expand(MAX_BATCH + 1, -1), 2), "batch 5 is outside"),
         (lambda p, ids: p.generate(ids, MAX_SEQ), "exceeds the package's max_seq_len"),
         (lambda p, ids: p.generate(ids.int(), 2), "int64 tensor"),
-        (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be >= 1"),
+        (lambda p, ids: p.generate(ids, 0), "max_new_tokens must be an int >= 1, got 0"),
+        (lambda p, ids: p.generate(ids[:, :0], 2), r"the prompt is empty \(input_ids of shape \(1, 0\)\)"),
+        (lambda p, ids: p.generate(ids, 2, pad_token_id=256), r"pad_token_id must lie in \[0, 256\), got 256"),
         (lambda p, ids: p.generate(ids, 2, attention_mask=torch.ones(1, 3)), "attention_mask must have"),
         (lambda p, ids: p.generate(ids, 2, do_sample=True, temperature=0.0), "temperature must be > 0"),
         (lambda p, ids: p.generate(ids + 1000, 2), "must lie in \\[0, 256\\)"),
         (lambda p, ids: p.generate(ids, 2, attention_mask=torch.zeros_like(ids)), "needs a real token"),
+        # 0.5 would pass for a real token and then be cast to 0 (padding); 2 would count twice in the positions
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.full((1, 4), 0.5)), "attention_mask must hold only 0"),
+        (lambda p, ids: p.generate(ids, 2, attention_mask=torch.full((1, 4), 2)), "attention_mask must hold only 0"),
     ],
 )
 def test_bad_generate_arguments_are_refused(model, package, call, message):
     with pytest.raises(ValueError, match=message):
         call(package, _prompt(model, 1, 4))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1, got 2.5"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an int >= 1, got True"),
+        ({"eos_token_id": "foo"}, "eos_token_id must be an int or a list of ints, got 'foo'"),
+        ({"eos_token_id": [2, 3.0]}, r"eos_token_id must be an int or a list of ints, got \[2, 3.0\]"),
+        ({"pad_token_id": 0.0}, "pad_token_id must be an int, got 0.0"),
+    ],
+)
+def test_generate_arguments_of_the_wrong_type_are_named(model, package, arguments, message):
+    with pytest.raises(TypeError, match=message):
+        package.generate(_prompt(model, 1, 4), **{"max_new_tokens": 2, **arguments})
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("meta", "device must be of the package's device type 'cpu' .*got 'meta'"),
+        ("cuda:1", "device must be of the package's device type 'cpu' .*got 'cuda:1'"),
+        ("gpu", "device must be a torch.device or its name, got 'gpu'"),
+    ],
+)
+def test_a_device_other_than_the_package_s_is_refused(package_path, device, message):
+    """A package exported for the CPU runs there only (on meta, generate crashed the process)."""
+    with pytest.raises(ValueError, match=message):
+        load_generation(package_path, device=device)
 
 
 def test_the_graphs_share_one_copy_of_the_weights(model, package, package_path):

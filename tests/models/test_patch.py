@@ -3,6 +3,7 @@ our kernels run under the Triton interpreter): training converges step for step 
 model, HF's loss semantics hold, unapply restores everything, and what cannot be patched is named."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -84,14 +85,16 @@ def test_patched_training_converges_with_the_unpatched_model(model_type, batches
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma2"])
 def test_patched_model_compiles_with_no_graph_break(model_type):
+    """``position_ids`` passed, so the check of their shape is traced too."""
     model = tiny_model(model_type)
     ids = _batches(1)[0]
+    positions = torch.arange(ids.shape[1])[None]
     with models.patched(model):
-        expected = model(input_ids=ids, labels=ids).loss
+        expected = model(input_ids=ids, labels=ids, position_ids=positions).loss
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model, backend="eager", fullgraph=True)
-        loss = compiled(input_ids=ids, labels=ids).loss
+        loss = compiled(input_ids=ids, labels=ids, position_ids=positions).loss
         loss.backward()
     assert not counters["graph_break"]
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
@@ -266,4 +269,11 @@ def test_bad_calls_raise():
     models.apply(model)
     with pytest.raises(ValueError, match="already patched"):
         models.apply(model)
+    # transformers computes RoPE's cos and sin from them: its own error names cos
+    ids = _batches(1)[0]
+    for tokens in ({"input_ids": ids}, {"inputs_embeds": torch.randn(*ids.shape, COMMON["hidden_size"])}):
+        for positions in (torch.arange(5)[None], torch.arange(16).expand(3, 16)):
+            shape = re.escape(str(tuple(positions.shape)))
+            with pytest.raises(ValueError, match=rf"position_ids must give one position per token: .*got {shape}"):
+                model(**tokens, position_ids=positions)
     models.unapply(model)

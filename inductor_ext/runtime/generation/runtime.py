@@ -21,14 +21,15 @@ from inductor_ext.runtime.generation.metadata import decode, decode_graph_name
 
 
 class GenerationPackage:
-    """A loaded generation package; :meth:`generate` is its entry point."""
+    """A loaded generation package; :meth:`generate` is its entry point. ``device``: where it runs, of
+    the device type it was exported for (a CUDA package on ``cuda:N``); default, that type's default."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
-        models = load_models(path)
+        models = load_models(path, device)
         found = decode(models["model"].get_metadata()) if "model" in models else {}
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
-        self.device = torch.device(device or found["device"])
+        self.device = torch.device(found["device"] if device is None else device)
         self.step = models["model"]
         sizes = [int(n) for n in found.get("decode_batch_sizes", "").split(",") if n]
         self.decode_steps = {n: models[decode_graph_name(n)] for n in sizes}
@@ -44,7 +45,14 @@ class GenerationPackage:
         self._slots = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long, device=self.device)
         self._cache_positions = torch.arange(self.max_seq_len, device=self.device)  # sliced per call: no copies
 
-    def _check(self, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
+    def _check(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        max_new_tokens: int,
+        pad_token_id: int | None,
+        eos_token_id: int | list[int] | None,
+    ) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("generate: input_ids must be an int64 tensor of shape (batch, prompt length)")
         batch, length = input_ids.shape
@@ -52,23 +60,47 @@ class GenerationPackage:
             raise ValueError(
                 f"generate: batch {batch} is outside the package's 1..{self.max_batch_size} (max_batch_size)"
             )
+        if length < 1:
+            raise ValueError(f"generate: the prompt is empty (input_ids of shape {tuple(input_ids.shape)})")
+        if not _is_int(max_new_tokens):
+            raise TypeError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if length < 1 or length + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens}")
+        if pad_token_id is not None:
+            if not _is_int(pad_token_id):
+                raise TypeError(f"generate: pad_token_id must be an int, got {pad_token_id!r}")
+            if not 0 <= pad_token_id < self.vocab_size:  # a finished row's next input
+                raise ValueError(f"generate: pad_token_id must lie in [0, {self.vocab_size}), got {pad_token_id}")
+        if eos_token_id is not None and not (
+            _is_int(eos_token_id) or (isinstance(eos_token_id, (list, tuple)) and all(map(_is_int, eos_token_id)))
+        ):
+            raise TypeError(f"generate: eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+        if length + max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"generate: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the package's "
                 f"max_seq_len {self.max_seq_len}"
             )
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.vocab_size):
-            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        checks = [((input_ids >= 0) & (input_ids < self.vocab_size)).all()]
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
-                    f"got {tuple(attention_mask.shape)}"
+            if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+                got = (
+                    tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
                 )
-            if not bool((attention_mask != 0).any(dim=1).all()):
-                raise ValueError("generate: every row of attention_mask needs a real token (a 1)")
+                raise ValueError(
+                    f"generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}"
+                )
+            mask = attention_mask.to(input_ids.device)
+            checks += [((mask == 0) | (mask == 1)).all(), (mask != 0).any(dim=1).all()]
+        # one host sync for every check of the values
+        in_vocabulary, *mask_checks = torch.stack(checks).tolist()
+        if not in_vocabulary:
+            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        if mask_checks and not mask_checks[0]:
+            raise ValueError(
+                "generate: attention_mask must hold only 0 (padding) and 1 (a real token), got other values"
+            )
+        if mask_checks and not mask_checks[1]:
+            raise ValueError("generate: every row of attention_mask needs a real token (a 1)")
 
     @torch.no_grad()
     def generate(
@@ -87,12 +119,13 @@ class GenerationPackage:
         """The prompt and its continuation, ``(batch, prompt + generated)``, as ``generate`` returns them.
 
         The sampling defaults are transformers' ``GenerationConfig`` defaults (temperature 1, top-k 50);
-        ``top_k=None`` samples from the whole vocabulary. ``pad_token_id`` (written after a row's end)
+        ``top_k=None`` samples from the whole vocabulary. ``attention_mask`` is ``generate``'s: 1 for a real
+        token, 0 for (left) padding, in any dtype. ``pad_token_id`` (written after a row's end)
         defaults to the model's, else its first end-of-sequence token, as ``generate`` chooses it;
         ``eos_token_id`` replaces the model's end-of-sequence tokens. ``streamer`` (e.g. transformers'
         ``TextStreamer``) gets what ``generate`` gives it: ``put`` of the prompt, then of each new token
         (on the CPU: a host sync per token), and ``end``."""
-        self._check(input_ids, attention_mask, max_new_tokens)
+        self._check(input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id)
         if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
             raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
         batch, length = input_ids.shape
@@ -110,7 +143,8 @@ class GenerationPackage:
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         eos = self.eos_token_ids
         if eos_token_id is not None:
-            eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=self.device)
+            eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            eos = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         generated = []
         for index in range(max_new_tokens):
@@ -145,6 +179,11 @@ class GenerationPackage:
         return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def load_generation(path: str | Path, device: torch.device | str | None = None) -> GenerationPackage:
-    """Load a package written by :func:`~inductor_ext.runtime.generation.export_generation`."""
+    """Load a package written by :func:`~inductor_ext.runtime.generation.export_generation`, to run on ``device``
+    (:class:`GenerationPackage`)."""
     return GenerationPackage(path, device)
