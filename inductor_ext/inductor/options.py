@@ -23,26 +23,23 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "route": (
         '"auto"',
         (
-            'how each fastops op call is compiled: "kernel" (our Triton kernels), "inductor" (Inductor\'s code '
-            "from the op's aten math) or \"auto\" (both timed at the graph's shapes on random inputs, the faster "
-            'kept; on CPU the Inductor route); a dict sets it per op family, {"rms_norm": "kernel", "default": '
-            '"auto"}, the environment form is "auto,rms_norm=kernel"'
+            '"kernel" (our Triton kernels), "inductor" (Inductor\'s code from the op\'s math) or "auto" (both timed '
+            'at compile time, the faster kept); or per op family, {"rms_norm": "kernel", "default": "auto"} '
+            '(environment: "auto,rms_norm=kernel")'
         ),
     ),
     "multi_kernel": (
         "1",
         (
-            "Inductor's triton.multi_kernel for our compiles: 1 emits persistent and looped variants of each "
-            "reduction and keeps the faster at run time, 0 turns it off; TORCHINDUCTOR_MULTI_KERNEL or an "
-            "explicit triton.multi_kernel option wins; exports leave Inductor's setting unless it is passed"
+            "Inductor's triton.multi_kernel (persistent and looped reductions, the faster kept at run time); "
+            "TORCHINDUCTOR_MULTI_KERNEL or triton.multi_kernel wins; exports leave Inductor's setting"
         ),
     ),
     "assume_no_padding": (
         "false",
         (
-            "promise that 2-D integer/boolean graph inputs that attention masks are built from (HF's "
-            "attention_mask) hold no padding, so such a mask can be proven causal too; a device-side assertion "
-            "checks the promise with no host sync"
+            "promise that the 2-D integer inputs masks are built from (HF's attention_mask) hold no padding, so "
+            "the mask can be proven causal; checked on the device, no host sync"
         ),
     ),
 }
