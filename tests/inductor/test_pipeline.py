@@ -16,7 +16,7 @@ from tests.inductor.test_backend import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.usefixtures("fresh_compiles")
+pytestmark = pytest.mark.usefixtures("fresh_compiles", "fresh_dynamo")
 
 
 def test_every_pass_declares_stages_a_default_and_a_measured_reason():
