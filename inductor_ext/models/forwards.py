@@ -1,4 +1,4 @@
-"""The forwards a patched HF model runs: our ops in place of transformers' norms, MLPs, RoPE and loss.
+"""The forwards a patched HF model runs: our ops in place of transformers' norms, MLPs and loss.
 
 Each function takes the HF module as ``self`` and is bound to one instance by
 :func:`inductor_ext.models.apply`; its math is the HF forward it replaces (same casting, same loss
@@ -17,7 +17,6 @@ from inductor_ext.models.recompute import GLU, NORMS, outputs_recomputed, recomp
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
 from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from inductor_ext.ops.rms_norm import rms_norm
-from inductor_ext.ops.rope import apply_rotary_pos_emb
 
 
 def _recomputable_rms_norm(
@@ -77,12 +76,6 @@ def packed_mlp_forward(self: Any, hidden_states: Tensor) -> Tensor:
 
 
 MLP_FORWARDS = {"gated": gated_mlp_forward, "packed": packed_mlp_forward}
-
-
-def hf_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Any:
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (partial rotary when
-    ``cos`` is narrower than the head, as Phi-3's), on our RoPE kernel."""
-    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 def causal_lm_loss(

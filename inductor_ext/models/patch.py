@@ -6,10 +6,6 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
   OLMo-2's q/k norms): our ``rms_norm`` with the class's casting;
 - every MLP instance of the family's class whose activation our GLU ops fuse: the activation and
   the product become one ``swiglu``/``geglu`` (packed for Phi-3);
-- RoPE: the family's module-level ``apply_rotary_pos_emb`` (which the attention modules look up
-  there) becomes our kernel's (:mod:`inductor_ext._compat.transformers_rope`). This one is process-wide
-  for that family, as it is transformers' own function; it is restored when the last patched model of
-  the family is unapplied;
 - PEFT LoRA layers (``lora=True``, :mod:`inductor_ext.models.peft_lora`): each fusable
   ``lora.Linear``'s forward becomes one fused ``lora_linear``, and a gated MLP whose three
   projections are all fusable becomes one ``lora_mlp``; LoRA layers it cannot fuse stay PEFT's,
@@ -23,8 +19,8 @@ What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
   SDPA on transformers' masks except for calls transformers masks as packed documents, which run
   block-sparse document attention (:mod:`inductor_ext.models.attention`); restored on unapply.
 
-Norms, MLPs and the causal LM are patched per instance (the instance's ``forward``), so other
-models in the process are untouched, and ``torch.compile``/``torch.export`` trace our ops.
+Everything is patched per instance (the instance's ``forward``), so other models in the process
+are untouched, and ``torch.compile``/``torch.export`` trace our ops.
 Anything that cannot be patched (an unknown family, a module of an unexpected shape or
 activation, a module whose ``forward`` was already replaced, e.g. by an accelerate hook) is left
 as it is with a warning naming it. :func:`unapply` (or leaving :func:`patched`) restores the model.
@@ -41,8 +37,6 @@ from typing import Any
 
 import torch
 
-from inductor_ext import _compat
-from inductor_ext._compat.transformers_rope import rope_patch
 from inductor_ext.models import attention as attention_interface
 from inductor_ext.models import forwards, peft_lora, recompute
 from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
@@ -60,7 +54,6 @@ class PatchReport:
     family: str | None
     norms: list[str] = dataclasses.field(default_factory=list)
     mlps: list[str] = dataclasses.field(default_factory=list)
-    rope: bool = False
     loss: bool = False
     attention: bool = False
     """The model runs :data:`~inductor_ext.models.attention.ATTENTION` (packed rows block-sparse)."""
@@ -72,7 +65,7 @@ class PatchReport:
     """Module name (or what) -> why it was left as it is."""
 
     def __bool__(self) -> bool:
-        return bool(self.norms or self.mlps or self.rope or self.loss or self.attention or self.lora)
+        return bool(self.norms or self.mlps or self.loss or self.attention or self.lora)
 
 
 @dataclasses.dataclass
@@ -80,8 +73,6 @@ class _Patched:
     report: PatchReport
     instances: list[tuple[torch.nn.Module, tuple[str, ...]]]
     """(module, instance attributes set on it)."""
-    rope_patches: list[_compat.Patch] = dataclasses.field(default_factory=list)
-    """The transformers RoPE patch this model holds (:mod:`inductor_ext._compat.transformers_rope`)."""
     attention_implementation: str | None = None
     """The ``attn_implementation`` the model had before :data:`~inductor_ext.models.attention.ATTENTION`."""
 
@@ -94,7 +85,6 @@ def apply(
     *,
     norms: bool = True,
     mlps: bool = True,
-    rope: bool = True,
     loss: bool = True,
     lora: bool = True,
     attention: bool = True,
@@ -251,17 +241,6 @@ def apply(
                     _patch_attention(patched, hf_model)
         else:
             _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: {what}")
-    if rope:
-        if callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-            patch = rope_patch(modeling.__name__, forwards.hf_apply_rotary_pos_emb)
-            patched.rope_patches = _compat.acquire([patch])
-            report.rope = bool(patched.rope_patches)
-            if not report.rope:
-                _warn(
-                    report, modeling.__name__, "RoPE is left as it is on this transformers version (a warning said why)"
-                )
-        else:
-            _warn(report, modeling.__name__, "has no apply_rotary_pos_emb: RoPE is left as it is")
     return report
 
 
@@ -276,7 +255,6 @@ def unapply(model: torch.nn.Module) -> None:
             delattr(module, attribute)
     if patched.attention_implementation is not None:
         hf_model.set_attn_implementation(patched.attention_implementation)  # type: ignore[operator]  # transformers'
-    _compat.release(patched.rope_patches)
 
 
 @contextlib.contextmanager

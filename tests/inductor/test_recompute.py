@@ -92,7 +92,7 @@ def patched_llama():
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
-    with models.patched(model):  # unapplied after the module's tests: the RoPE patch is process-wide
+    with models.patched(model):
         yield model, torch.randint(0, 256, (2, TOKENS // 2))
 
 

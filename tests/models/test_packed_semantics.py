@@ -8,7 +8,7 @@ evaluation, its loss and gradients are transformers' for the same call; ``packed
 is transformers with ``use_cache=False``.
 
 Masking is the causal LM forward's and the decoder's alone, so most tests patch only the loss (our
-norms, MLPs and RoPE would run under the Triton interpreter on CPU, slowly, and are compared with
+norms and MLPs would run under the Triton interpreter on CPU, slowly, and are compared with
 transformers' in test_patch.py); the cache and gradient-checkpointing tests patch everything.
 """
 
@@ -30,7 +30,7 @@ PACKED = torch.tensor([[*range(6), *range(10)], [*range(4), *range(7), *range(5)
 """Two rows of three and two documents."""
 PADDING = torch.ones(BATCH, SEQ, dtype=torch.long)
 PADDING[1, -5:] = 0
-LOSS_ONLY = {"norms": False, "mlps": False, "rope": False}
+LOSS_ONLY = {"norms": False, "mlps": False}
 INPUTS = {
     "packed position_ids": {"position_ids": PACKED},
     "attention_mask": {"attention_mask": PADDING},

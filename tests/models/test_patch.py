@@ -70,7 +70,7 @@ def test_patched_training_converges_with_the_unpatched_model(model_type, batches
         warnings.simplefilter("error", PatchWarning)  # every part of a known family is patched
         with models.patched(model) as report:
             layers = COMMON["num_hidden_layers"]
-            assert report.loss and report.rope and len(report.mlps) == layers
+            assert report.loss and len(report.mlps) == layers
             assert len(report.norms) >= 2 * layers + 1
             actual = train_losses(model, batches)
     expected = train_losses(reference, batches)
@@ -196,21 +196,51 @@ def test_evaluation_and_calls_without_labels_return_logits():
         torch.testing.assert_close(ours.loss, theirs.loss)
 
 
-def test_unapply_restores_the_model_and_the_shared_rope():
-    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+def test_unapply_restores_the_model():
+    model = tiny_model("llama")
+    models.apply(model)
+    models.unapply(model)
+    assert not any(attribute.startswith(("forward", "_fastops_")) for m in model.modules() for attribute in vars(m))
+    ids = _batches(1)[0]
+    assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def _outputs_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Training loss, logits and gradients, then evaluation logits, of one call on ``ids``."""
+    model.train()
+    outputs = model(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    results = [outputs.loss.detach(), outputs.logits.detach(), *(p.grad for p in model.parameters())]
+    model.eval()
+    with torch.no_grad():
+        results.append(model(input_ids=ids).logits)
+    return results
+
+
+def test_patching_one_model_leaves_other_models_and_transformers_alone():
+    """``apply`` changes the instance it is given only: a second Llama built and run in the same process
+    while another is patched computes what plain transformers computes, to the bit, and no attribute of
+    transformers' modeling module is replaced, while the first model is patched or after it is unapplied."""
     from transformers.models.llama import modeling_llama
 
-    original = modeling_llama.apply_rotary_pos_emb
-    models.apply(first)
-    models.apply(second)
-    assert modeling_llama.apply_rotary_pos_emb is not original
-    models.unapply(first)
-    assert modeling_llama.apply_rotary_pos_emb is not original  # still used by the second model
-    models.unapply(second)
-    assert modeling_llama.apply_rotary_pos_emb is original
-    assert not any("forward" in vars(m) or "_fastops_activation" in vars(m) for m in first.modules())
     ids = _batches(1)[0]
-    assert first(input_ids=ids, labels=ids).logits is not None
+    module_before = dict(vars(modeling_llama))
+    expected = _outputs_and_grads(tiny_model("llama", seed=1), ids)  # plain transformers, before any patch
+
+    first = tiny_model("llama")
+    with models.patched(first) as report:
+        assert report.loss
+        first(input_ids=ids, labels=ids).loss.backward()  # the patched model runs
+        module_patched = dict(vars(modeling_llama))
+        second = tiny_model("llama", seed=1)
+        actual = _outputs_and_grads(second, ids)
+    assert not any("forward" in vars(m) or any(a.startswith("_fastops_") for a in vars(m)) for m in second.modules())
+    assert len(actual) == len(expected)
+    for ours, theirs in zip(actual, expected):
+        assert torch.equal(ours, theirs)
+    for module in (module_patched, dict(vars(modeling_llama))):
+        assert module.keys() == module_before.keys()
+        assert [name for name, value in module.items() if value is not module_before[name]] == []
 
 
 def test_peft_wrapped_model_is_patched_and_trains():
