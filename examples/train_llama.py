@@ -3,9 +3,10 @@
     python examples/train_llama.py                      # CPU: a tiny random Llama, 30 steps (about a minute)
     python examples/train_llama.py --model llama-3.2-1b --batch 4 --seq 2048 --steps 100   # on a GPU
 
-``inductor_ext.models.apply(model)`` puts the model's RMSNorms, MLPs, RoPE and (in training with
-labels) its LM head + loss on our kernels; the loss never builds the ``(tokens, vocab)`` logits.
-``torch.compile(model, backend="fastops_inductor")`` then compiles the step, our kernels included.
+``inductor_ext.models.apply(model)`` puts the model's LM head + loss (in training with labels) on one
+fused kernel that never builds the ``(tokens, vocab)`` logits. ``torch.compile(model,
+backend="fastops_inductor")`` then compiles the step: its graph passes put the RMSNorms (with the
+residual adds), RoPE and the SwiGLU on our kernels and recompute the norms' outputs in the backward.
 The model is built from a config (random weights, no download; shapes in
 ``inductor_ext.bench.train.MODELS``). The data is a task it can learn in a few dozen steps: each
 sequence counts up from a random token (``t, t+1, t+2, ...`` modulo the vocabulary), so after the
@@ -46,8 +47,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(args.model, device, dtype)
     report = models.apply(model)
-    print(f"patched {report.family}: {len(report.norms)} norms, {len(report.mlps)} MLPs, RoPE {report.rope}, "
-          f"fused LM head + loss {report.loss}")  # fmt: skip
+    print(f"patched {report.family}: fused LM head + loss {report.loss}")
     step_model = model if args.no_compile else torch.compile(model, backend="fastops_inductor")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device == "cuda")
     data = counting_batches(args.steps, args.batch, args.seq, MODELS[args.model]["vocab_size"], device)

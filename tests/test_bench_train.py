@@ -227,7 +227,7 @@ def test_fine_tuning_example_runs_and_learns():
     command = [sys.executable, str(script), "--steps", "25", "--seq", "32", "--no-compile"]
     proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "patched llama: 5 norms, 2 MLPs, RoPE True, fused LM head + loss True" in proc.stdout
+    assert "patched llama: fused LM head + loss True" in proc.stdout
     final = float(proc.stdout.split("final loss ")[1].split()[0])
     assert final < 0.75 * 5.5452  # ln(256) at the start: the counting task is being learned
 

@@ -1,14 +1,11 @@
-"""Every patch inductor_ext makes to torch's or transformers' internals, in one place, applied only while
-our code needs it.
+"""Every patch inductor_ext makes to torch's internals, in one place, applied only while our code needs it.
 
 Importing ``inductor_ext`` patches nothing. Each :class:`Patch` replaces one attribute for the
 duration of an :func:`applied` block, which the ``fastops_inductor`` backend enters around its
 compile (forward, and the backward AOTAutograd compiles lazily at the first ``.backward()``) and
 ``inductor_ext.export`` around AOTInductor's; stock ``torch.compile`` outside those blocks runs
-torch's own code. ``inductor_ext.models.apply`` holds the transformers RoPE patch
-(:mod:`.transformers_rope`) from ``apply`` to ``unapply`` (:func:`acquire`, :func:`release`). Each
-patch names the versions it was tested on and the upstream issue it works around; on any other
-version it is not applied, with one warning saying so (never patched blind).
+torch's own code. Each patch names the torch versions it was tested on and the upstream issue it
+works around; on any other version it is not applied, with one warning saying so (never patched blind).
 
 The blocks nest and may run on several threads at once: a patch is installed when the first holder
 takes it and removed when the last one lets go (a reference count under a lock). A stock
@@ -34,19 +31,17 @@ Version = tuple[int, int]
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """One replaced attribute: ``target`` (``"module.path:Owner.attribute"``) becomes ``wrap(original)``
-    while an :func:`applied` block (or an :func:`acquire` not yet released) lists the patch."""
+    while an :func:`applied` block lists the patch."""
 
     name: str
     target: str
     wrap: Callable[[Any], Any]
     tested: tuple[Version, Version]
-    """First and last ``(major, minor)`` of ``package`` the patch was checked on."""
+    """First and last ``(major, minor)`` of torch the patch was checked on."""
     upstream: str
     """The upstream issue or pull request (or the code) the patch works around."""
     needed: Callable[[], bool] = lambda: True
-    """False where the package does not need the patch (e.g. it has the upstream fix)."""
-    package: str = "torch"
-    """The distribution whose internals the patch replaces (its version is checked)."""
+    """False where torch does not need the patch (e.g. it has the upstream fix)."""
 
     def owner_and_attribute(self) -> tuple[Any, str] | None:
         """The object holding the attribute and its name; None if there is no such attribute."""
@@ -65,7 +60,7 @@ class Patch:
 
 @functools.cache
 def package_version(package: str) -> Version:
-    """``(major, minor)`` of an installed distribution (``torch``, ``transformers``)."""
+    """``(major, minor)`` of an installed distribution."""
     major, minor = metadata.version(package).split(".")[:2]
     return int(major), int(minor)
 
@@ -80,12 +75,12 @@ def applicable(patch: Patch) -> bool:
     """Whether ``patch`` is applied here: a tested version that needs it and has its target. Warns once
     per patch when the version is outside the tested range."""
     first, last = patch.tested
-    version = package_version(patch.package)
+    version = package_version("torch")
     if not first <= version <= last:
         if patch.name not in _warned:
             _warned.add(patch.name)
             warnings.warn(
-                f"inductor_ext: {patch.package} {metadata.version(patch.package)} is outside the versions the "
+                f"inductor_ext: torch {metadata.version('torch')} is outside the versions the "
                 f"patch {patch.name!r} was tested on ({first[0]}.{first[1]}-{last[0]}.{last[1]}), so it is not "
                 f"applied ({patch.upstream})",
                 RuntimeWarning,
@@ -95,9 +90,9 @@ def applicable(patch: Patch) -> bool:
     return patch.needed() and patch.owner_and_attribute() is not None
 
 
-def acquire(patches: Sequence[Patch]) -> list[Patch]:
+def _acquire(patches: Sequence[Patch]) -> list[Patch]:
     """Install each applicable patch of ``patches`` (or count one more holder of it); returns those
-    held, to give to :func:`release`."""
+    held, to give to :func:`_release`."""
     held = []
     with _lock:
         for patch in patches:
@@ -117,8 +112,8 @@ def acquire(patches: Sequence[Patch]) -> list[Patch]:
     return held
 
 
-def release(held: Sequence[Patch]) -> None:
-    """Let go of patches :func:`acquire` returned; the last holder's release restores the original."""
+def _release(held: Sequence[Patch]) -> None:
+    """Let go of patches :func:`_acquire` returned; the last holder's release restores the original."""
     with _lock:
         for patch in held:
             count, owner, attribute, original = _installed.pop(patch.name)
@@ -131,11 +126,11 @@ def release(held: Sequence[Patch]) -> None:
 @contextmanager
 def applied(patches: Sequence[Patch]) -> Iterator[None]:
     """Within the block, each applicable patch of ``patches`` is installed (module docstring)."""
-    held = acquire(patches)
+    held = _acquire(patches)
     try:
         yield
     finally:
-        release(held)
+        _release(held)
 
 
 def installed() -> list[str]:

@@ -1,6 +1,6 @@
-"""Patch instantiated HF transformers models onto our ops: :func:`apply`, :func:`unapply`, :func:`patched`;
-:func:`keep_lora_outputs` and :func:`keep_lora_mlp_outputs`, selective activation checkpointing for the patched
-LoRA ops."""
+"""What graph passes cannot do for an instantiated HF transformers model: :func:`apply` (the fused LM head + loss
+without logits, PEFT LoRA layers on the fused LoRA ops), :func:`unapply`, :func:`patched`; :func:`keep_lora_outputs`
+and :func:`keep_lora_mlp_outputs`, selective activation checkpointing for the patched LoRA ops."""
 
 from inductor_ext.models.checkpointing import keep_lora_mlp_outputs, keep_lora_outputs
 from inductor_ext.models.families import FAMILIES

@@ -1,4 +1,4 @@
-"""The transformers model families :func:`inductor_ext.models.apply` patches, and what it patches in each.
+"""The transformers model families :func:`inductor_ext.models.apply` knows, and what it needs of each.
 
 Each entry names classes of the family's ``transformers.models.<name>.modeling_<name>`` module
 (transformers 5.x); a class the installed transformers lacks makes the family unpatchable, with a
@@ -7,19 +7,20 @@ warning. Only instances of exactly these classes are patched: a subclass may hav
 
 import dataclasses
 
+GATED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The projections of a gated MLP, ``down(act(gate(x)) * up(x))``: what one ``lora_mlp`` takes."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     module: str
     """``transformers.models.<module>.modeling_<module>``."""
-    norm: str
-    norm_kind: str
-    """``"llama"``: ``weight * normed.to(dtype)``; ``"fp32_weight"``: ``(weight * normed).to(dtype)``
-    (OLMo-2); ``"gemma"``: ``(normed * (1 + weight.float())).type_as(x)``."""
     mlp: str
-    mlp_kind: str
-    """``"gated"``: ``down(act(gate(x)) * up(x))``; ``"packed"``: Phi-3's ``gate_up_proj`` halves."""
+    """The MLP class: an instance whose projections are all fusable LoRA layers becomes one ``lora_mlp``."""
     causal_lm: str
+    """The ``ForCausalLM`` class: its forward gets the fused LM head + loss."""
+    mlp_projections: tuple[str, ...] = GATED_PROJECTIONS
+    """The MLP's projection attributes (Phi-3 packs gate and up into ``gate_up_proj``)."""
     activation_attribute: str = "hidden_act"
     """The config field naming the MLP activation."""
     logits_scaling: bool = False
@@ -29,43 +30,27 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "LlamaRMSNorm", "llama", "LlamaMLP", "gated", "LlamaForCausalLM"),
-    "mistral": Family("mistral", "MistralRMSNorm", "llama", "MistralMLP", "gated", "MistralForCausalLM"),
-    "qwen2": Family("qwen2", "Qwen2RMSNorm", "llama", "Qwen2MLP", "gated", "Qwen2ForCausalLM"),
-    "qwen3": Family("qwen3", "Qwen3RMSNorm", "llama", "Qwen3MLP", "gated", "Qwen3ForCausalLM"),
-    "granite": Family(
-        "granite", "GraniteRMSNorm", "llama", "GraniteMLP", "gated", "GraniteForCausalLM", logits_scaling=True
-    ),
-    "olmo2": Family("olmo2", "Olmo2RMSNorm", "fp32_weight", "Olmo2MLP", "gated", "Olmo2ForCausalLM"),
-    "phi3": Family("phi3", "Phi3RMSNorm", "llama", "Phi3MLP", "packed", "Phi3ForCausalLM"),
+    "llama": Family("llama", "LlamaMLP", "LlamaForCausalLM"),
+    "mistral": Family("mistral", "MistralMLP", "MistralForCausalLM"),
+    "qwen2": Family("qwen2", "Qwen2MLP", "Qwen2ForCausalLM"),
+    "qwen3": Family("qwen3", "Qwen3MLP", "Qwen3ForCausalLM"),
+    "granite": Family("granite", "GraniteMLP", "GraniteForCausalLM", logits_scaling=True),
+    "olmo2": Family("olmo2", "Olmo2MLP", "Olmo2ForCausalLM"),
+    "phi3": Family("phi3", "Phi3MLP", "Phi3ForCausalLM", mlp_projections=("gate_up_proj", "down_proj")),
     "gemma2": Family(
-        "gemma2",
-        "Gemma2RMSNorm",
-        "gemma",
-        "Gemma2MLP",
-        "gated",
-        "Gemma2ForCausalLM",
-        activation_attribute="hidden_activation",
-        final_softcap=True,
+        "gemma2", "Gemma2MLP", "Gemma2ForCausalLM", activation_attribute="hidden_activation", final_softcap=True
     ),
     "gemma3_text": Family(
-        "gemma3",
-        "Gemma3RMSNorm",
-        "gemma",
-        "Gemma3MLP",
-        "gated",
-        "Gemma3ForCausalLM",
-        activation_attribute="hidden_activation",
-        final_softcap=True,
+        "gemma3", "Gemma3MLP", "Gemma3ForCausalLM", activation_attribute="hidden_activation", final_softcap=True
     ),
 }
 """``config.model_type`` -> what to patch."""
 
-ACTIVATIONS: dict[str, tuple[str, str]] = {
-    "silu": ("silu", "none"),
-    "swish": ("silu", "none"),
-    "gelu": ("gelu", "none"),
-    "gelu_pytorch_tanh": ("gelu", "tanh"),
-    "gelu_new": ("gelu", "tanh"),
+ACTIVATIONS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
 }
-"""HF activation name -> (our GLU activation, GELU approximation): the activations our GLU ops fuse."""
+"""HF activation name -> :func:`~inductor_ext.ops.lora.lora_mlp`'s ``activation``: the activations it fuses."""

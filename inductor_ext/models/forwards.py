@@ -1,8 +1,9 @@
-"""The forwards a patched HF model runs: our ops in place of transformers' norms, MLPs, RoPE and loss.
+"""The forward a patched HF causal LM runs: transformers' own, with the LM head and the loss as one
+:func:`~inductor_ext.fused_linear_cross_entropy` in training with labels.
 
-Each function takes the HF module as ``self`` and is bound to one instance by
-:func:`inductor_ext.models.apply`; its math is the HF forward it replaces (same casting, same loss
-semantics), computed by our kernels.
+:func:`causal_lm_forward` takes the ``ForCausalLM`` module as ``self`` and is bound to one instance by
+:func:`inductor_ext.models.apply`; its loss is transformers' ``ForCausalLMLoss`` (same shifting,
+ignored labels and reductions), computed without the logits.
 """
 
 import inspect
@@ -12,77 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inductor_ext.models import attention
-from inductor_ext.models.recompute import GLU, NORMS, outputs_recomputed, recomputable
 from inductor_ext.ops.fused_linear_cross_entropy import WeightGradAccumulation, fused_linear_cross_entropy
-from inductor_ext.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
-from inductor_ext.ops.rms_norm import rms_norm
-from inductor_ext.ops.rope import apply_rotary_pos_emb
-
-
-def _recomputable_rms_norm(
-    x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, casting: str = "llama"
-) -> Tensor:
-    """``rms_norm``, its output recomputed in the backward where :mod:`inductor_ext.models.recompute` is active."""
-
-    def norm() -> Tensor:
-        return rms_norm(x, weight, eps, offset=offset, casting=casting)
-
-    return recomputable(norm(), norm, NORMS)
-
-
-def llama_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
-    """``LlamaRMSNorm``: normalise in fp32, cast to the input's dtype, multiply by the weight."""
-    return _recomputable_rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def fp32_weight_norm_forward(self: Any, hidden_states: Tensor) -> Tensor:
-    """``Olmo2RMSNorm``: ``(weight * normed).to(dtype)``, the product in fp32."""
-    return _recomputable_rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="gemma")
-
-
-def gemma_norm_forward(self: Any, x: Tensor) -> Tensor:
-    """``GemmaRMSNorm``: ``(normed * (1 + weight.float())).type_as(x)``."""
-    return _recomputable_rms_norm(x, self.weight, self.eps, offset=1.0, casting="gemma")
-
-
-NORM_FORWARDS = {"llama": llama_norm_forward, "fp32_weight": fp32_weight_norm_forward, "gemma": gemma_norm_forward}
-
-
-def gated_mlp_forward(self: Any, x: Tensor) -> Tensor:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the activation and product fused; the
-    projections' outputs are this function's own, so the eager backward writes their gradients over them."""
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    activation, approximate = self._fastops_activation
-
-    def glu() -> Tensor:
-        if activation == "silu":
-            return swiglu(gate, up, overwrite_inputs_in_backward=True)
-        return geglu(gate, up, approximate, overwrite_inputs_in_backward=True)
-
-    return self.down_proj(recomputable(glu(), glu, GLU))
-
-
-def packed_mlp_forward(self: Any, hidden_states: Tensor) -> Tensor:
-    """Phi-3: ``down_proj(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
-    gate_up = self.gate_up_proj(hidden_states)
-    activation, approximate = self._fastops_activation
-
-    def glu() -> Tensor:
-        if activation == "silu":
-            return swiglu_packed(gate_up, overwrite_inputs_in_backward=True)
-        return geglu_packed(gate_up, approximate, overwrite_inputs_in_backward=True)
-
-    return self.down_proj(recomputable(glu(), glu, GLU))
-
-
-MLP_FORWARDS = {"gated": gated_mlp_forward, "packed": packed_mlp_forward}
-
-
-def hf_apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Any:
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (partial rotary when
-    ``cos`` is narrower than the head, as Phi-3's), on our RoPE kernel."""
-    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 def causal_lm_loss(
@@ -183,22 +114,6 @@ def hf_builds_cache(decoder: Any, use_cache: bool | None) -> bool:
     return bool(use_cache)
 
 
-def hf_masks_documents(model: Any, kwargs: dict[str, Any], has_cache: bool) -> bool:
-    """Whether transformers masks this call (``model(**kwargs)``, no cache object passed unless
-    ``has_cache``) with the packed-document mask: ``(B, S)`` ``position_ids``, no ``attention_mask``,
-    and no KV cache in the decoder (transformers' ``_preprocess_mask_arguments``), and transformers'
-    ``find_packed_sequence_indices`` finds a packing (in eager mode not when every row holds one
-    document, transformers then builds the plain causal mask; traced, it always does)."""
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    positions = kwargs.get("position_ids")
-    if has_cache or kwargs.get("attention_mask") is not None or not isinstance(positions, Tensor):
-        return False
-    if positions.dim() != 2 or hf_builds_cache(model.model, kwargs.get("use_cache")):
-        return False
-    return find_packed_sequence_indices(positions) is not None
-
-
 def check_position_ids(position_ids: Any, tokens: Any) -> None:
     """Refuse ``position_ids`` that are not one per token of ``tokens`` (``input_ids`` or ``inputs_embeds``):
     their last size the token count, a 2-D batch of 1 or the tokens' batch. transformers computes RoPE's
@@ -232,13 +147,7 @@ def causal_lm_forward(
     an empty cache that keeps nothing (:func:`mask_only_cache_class`) instead of none; where this
     transformers has no such cache, transformers' own forward runs the call. With
     ``packed_documents="separate"`` (``self._fastops_packed_documents``) every call without a cache
-    object runs with ``use_cache=False``: packed documents never attend across each other. Where
-    transformers masks the documents (:func:`hf_masks_documents`) and the layers run
-    :data:`~inductor_ext.models.attention.ATTENTION`, the layers get the positions and attend
-    block-sparsely (:mod:`inductor_ext.models.attention`).
-
-    In plain eager, the outputs of ``self._fastops_recomputed`` (norms, GLUs) are recomputed in the
-    backward instead of saved (:mod:`inductor_ext.models.recompute`).
+    object runs with ``use_cache=False``: packed documents never attend across each other.
 
     Evaluation, calls without labels, and ``logits_to_keep`` other than 0 run transformers' own forward.
     ``position_ids`` must be one per token (:func:`check_position_ids`).
@@ -266,17 +175,12 @@ def causal_lm_forward(
             mask_only_cache = self._fastops_mask_only_cache(config=self.model.config)
             kwargs[self._fastops_cache_argument] = mask_only_cache
             kwargs["use_cache"] = True
-    if self.config._attn_implementation == attention.ATTENTION and hf_masks_documents(
-        self, kwargs, has_cache or mask_only_cache is not None
-    ):
-        kwargs[attention.DOCUMENT_POSITIONS] = kwargs["position_ids"]
     if not fused or labels is None:  # (labels: for mypy, fused implies them)
         return type(self).forward(self, input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return_dict = kwargs.pop("return_dict", None)
-    with outputs_recomputed(self._fastops_recomputed):
-        outputs = self.model(input_ids=input_ids, **kwargs)
+    outputs = self.model(input_ids=input_ids, **kwargs)
     config = self.config
     loss = causal_lm_loss(
         outputs.last_hidden_state, self.lm_head.weight, labels,

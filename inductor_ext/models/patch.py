@@ -1,33 +1,30 @@
-"""``inductor_ext.models.apply(model)``: an instantiated transformers model (or a PEFT-wrapped one) on our ops.
+"""``inductor_ext.models.apply(model)``: what a graph pass cannot do, on an instantiated transformers model
+(or a PEFT-wrapped one).
 
 What is patched, per :data:`~inductor_ext.models.families.FAMILIES`:
 
-- every RMSNorm instance of the family's class (decoder norms, the final norm, Qwen3's and
-  OLMo-2's q/k norms): our ``rms_norm`` with the class's casting;
-- every MLP instance of the family's class whose activation our GLU ops fuse: the activation and
-  the product become one ``swiglu``/``geglu`` (packed for Phi-3);
-- RoPE: the family's module-level ``apply_rotary_pos_emb`` (which the attention modules look up
-  there) becomes our kernel's (:mod:`inductor_ext._compat.transformers_rope`). This one is process-wide
-  for that family, as it is transformers' own function; it is restored when the last patched model of
-  the family is unapplied;
-- PEFT LoRA layers (``lora=True``, :mod:`inductor_ext.models.peft_lora`): each fusable
-  ``lora.Linear``'s forward becomes one fused ``lora_linear``, and a gated MLP whose three
-  projections are all fusable becomes one ``lora_mlp``; LoRA layers it cannot fuse stay PEFT's,
-  with a warning naming them and the reason;
-- the ``ForCausalLM`` instance: in training with labels, the LM head and the loss become one
-  ``fused_linear_cross_entropy`` (``outputs.logits`` is then None: the ``(tokens, vocab)``
-  logits are never built, nor transformers' default KV cache); otherwise transformers' own forward
-  runs. Attention masks stay transformers' (packed documents: ``packed_documents`` in :func:`apply`);
-- attention (``attention=True``, an ``"sdpa"`` causal LM whose forward is patched): the model's
-  ``attn_implementation`` becomes :data:`~inductor_ext.models.attention.ATTENTION`, transformers'
-  SDPA on transformers' masks except for calls transformers masks as packed documents, which run
-  block-sparse document attention (:mod:`inductor_ext.models.attention`); restored on unapply.
+- the ``ForCausalLM`` instance (:func:`~inductor_ext.models.forwards.causal_lm_forward`): in training
+  with labels, the LM head and the loss become one ``fused_linear_cross_entropy`` (``outputs.logits`` is
+  then None: the ``(tokens, vocab)`` logits are never built, nor transformers' default KV cache);
+  otherwise transformers' own forward runs. Attention masks stay transformers' (packed documents:
+  ``packed_documents`` in :func:`apply`);
+- PEFT LoRA layers (``lora=True``, :mod:`inductor_ext.models.peft_lora`): each fusable ``lora.Linear``
+  or ``lora.bnb.Linear4bit`` runs one fused ``lora_linear``, and a gated MLP whose three projections are
+  all fusable runs one ``lora_mlp``; LoRA layers it cannot fuse stay PEFT's, with a warning naming
+  them and the reason.
 
-Norms, MLPs and the causal LM are patched per instance (the instance's ``forward``), so other
-models in the process are untouched, and ``torch.compile``/``torch.export`` trace our ops.
-Anything that cannot be patched (an unknown family, a module of an unexpected shape or
-activation, a module whose ``forward`` was already replaced, e.g. by an accelerate hook) is left
-as it is with a warning naming it. :func:`unapply` (or leaving :func:`patched`) restores the model.
+Everything else runs transformers' code: the norms, RoPE, the MLP's activation and attention. Under
+``torch.compile(model, backend="fastops_inductor")`` the backend's graph passes fuse the norms (the
+residual adds included), RoPE and the GLU, rewrite attention on causal and packed-document masks, and
+mark norm outputs for recomputation in the backward, in the patched model exactly as in an unpatched
+one; run eagerly, those parts are transformers' eager code.
+
+Each patch is an instance attribute (the module's ``forward``, and the ``_fastops_*`` settings it
+reads): no class, function or module attribute of transformers or PEFT is replaced, so every other
+model in the process runs as it would without ``inductor_ext``, and ``torch.compile``/``torch.export``
+trace our ops. Anything that cannot be patched (an unknown family, a module whose ``forward`` was
+already replaced, e.g. by an accelerate hook) is left as it is with a warning naming it.
+:func:`unapply` (or leaving :func:`patched`) restores the model.
 """
 
 import contextlib
@@ -41,11 +38,8 @@ from typing import Any
 
 import torch
 
-from inductor_ext import _compat
-from inductor_ext._compat.transformers_rope import rope_patch
-from inductor_ext.models import attention as attention_interface
-from inductor_ext.models import forwards, peft_lora, recompute
-from inductor_ext.models.families import ACTIVATIONS, FAMILIES, Family
+from inductor_ext.models import forwards, peft_lora
+from inductor_ext.models.families import ACTIVATIONS, FAMILIES, GATED_PROJECTIONS, Family
 from inductor_ext.ops.fused_linear_cross_entropy import WEIGHT_GRAD_ACCUMULATIONS, WeightGradAccumulation
 
 
@@ -58,21 +52,17 @@ class PatchReport:
     """What :func:`apply` did to one model."""
 
     family: str | None
-    norms: list[str] = dataclasses.field(default_factory=list)
-    mlps: list[str] = dataclasses.field(default_factory=list)
-    rope: bool = False
     loss: bool = False
-    attention: bool = False
-    """The model runs :data:`~inductor_ext.models.attention.ATTENTION` (packed rows block-sparse)."""
+    """The causal LM's training calls with labels run the fused LM head + loss."""
     lora: list[str] = dataclasses.field(default_factory=list)
-    """PEFT ``lora.Linear`` layers running the fused ``lora_linear``."""
+    """PEFT LoRA layers running the fused ``lora_linear``."""
     lora_mlps: list[str] = dataclasses.field(default_factory=list)
-    """MLPs (also in ``mlps``) running as one fused ``lora_mlp``."""
+    """MLPs running as one fused ``lora_mlp``."""
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     """Module name (or what) -> why it was left as it is."""
 
     def __bool__(self) -> bool:
-        return bool(self.norms or self.mlps or self.rope or self.loss or self.attention or self.lora)
+        return bool(self.loss or self.lora)
 
 
 @dataclasses.dataclass
@@ -80,10 +70,6 @@ class _Patched:
     report: PatchReport
     instances: list[tuple[torch.nn.Module, tuple[str, ...]]]
     """(module, instance attributes set on it)."""
-    rope_patches: list[_compat.Patch] = dataclasses.field(default_factory=list)
-    """The transformers RoPE patch this model holds (:mod:`inductor_ext._compat.transformers_rope`)."""
-    attention_implementation: str | None = None
-    """The ``attn_implementation`` the model had before :data:`~inductor_ext.models.attention.ATTENTION`."""
 
 
 _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Patched]" = weakref.WeakKeyDictionary()
@@ -92,20 +78,14 @@ _PATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Patched]" = weakref.WeakK
 def apply(
     model: torch.nn.Module,
     *,
-    norms: bool = True,
-    mlps: bool = True,
-    rope: bool = True,
     loss: bool = True,
     lora: bool = True,
-    attention: bool = True,
     weight_grad_accumulation: WeightGradAccumulation = "fp32",
     loss_chunk_size: int | None = None,
     packed_documents: forwards.PackedDocuments = "hf",
     lora_dtype: peft_lora.LoraDtype = "adapters",
-    recompute_norms: bool = True,
-    recompute_glu: bool = False,
 ) -> PatchReport:
-    """Patch ``model`` in place (see the module docstring); each switch turns one part off.
+    """Patch ``model`` in place (see the module docstring); ``loss=False`` and ``lora=False`` turn one part off.
 
     ``weight_grad_accumulation`` is the fused loss's memory mode for the LM head's gradient
     (:func:`inductor_ext.fused_linear_cross_entropy`): ``"fp32"`` (exact, an fp32 ``(V, H)``
@@ -113,20 +93,6 @@ def apply(
     no accumulator, one rounding per chunk). ``loss_chunk_size`` is its rows of logits per chunk
     (default: the mode's, ``H`` rows for ``"fp32"``, ``H / 4`` for ``"weight_dtype"``): fewer rows
     hold less memory at the loss and read and write the weight gradient more often.
-
-    ``recompute_norms`` (default on; with the patched norms and loss): in a training call with labels
-    run eagerly, the norms' outputs are recomputed in the backward rather than saved by the projections
-    that read them (:mod:`inductor_ext.models.recompute`): two ``N H`` tensors less per decoder layer
-    (1 GiB for Llama-3.2-1B at 8192 tokens) for one norm kernel per norm in the backward, the same
-    gradients to the bit. Under ``torch.compile(backend="fastops_inductor")`` the backend does this
-    itself (its ``fastops.recompute_norms`` option); this switch is for eager runs. ``recompute_glu``
-    (default off; with the patched MLPs and loss) does the same for the fused GLU's output, which the
-    down projection saves: ``N I`` elements less per layer (2 GiB for Llama-3.2-1B at 8192 tokens)
-    for one GLU kernel per layer in the backward (the backend's ``fastops.recompute_glu``).
-
-    ``attention=False`` keeps the model's ``attn_implementation`` (packed rows then run transformers'
-    materialised document mask in eager mode; under ``fastops_inductor`` the backend's document-mask
-    rewrite still finds it).
 
     ``lora_dtype`` is the dtype of the fused LoRA layers' low-rank GEMMs (``x Aᵀ``, ``· Bᵀ`` and their
     gradients) when the adapters' dtype differs from the input's (PEFT's default: float32 adapters
@@ -140,8 +106,7 @@ def apply(
       low-rank GEMMs took 26 of its 91 ms of GEMMs on the Llama-1B LoRA step), and the adapters'
       gradients are rounded to bf16 precision.
 
-    ``lora=False`` leaves PEFT's LoRA layers as they are (the MLPs around them still get the fused
-    activation).
+    ``lora=False`` leaves PEFT's LoRA layers as they are.
 
     ``packed_documents`` is how rows packing several documents (``position_ids`` restarting at 0
     at each document, no ``attention_mask``) are masked:
@@ -175,9 +140,6 @@ def apply(
         raise ValueError(
             f"inductor_ext.models.apply: loss_chunk_size must be None or a positive int, got {loss_chunk_size!r}"
         )
-    for switch, value in (("recompute_norms", recompute_norms), ("recompute_glu", recompute_glu)):
-        if not isinstance(value, bool):
-            raise TypeError(f"inductor_ext.models.apply: {switch} must be a bool, got {value!r}")
     if not isinstance(lora_dtype, str) or lora_dtype not in peft_lora.LORA_DTYPES:
         raise ValueError(
             f"inductor_ext.models.apply: lora_dtype must be one of {peft_lora.LORA_DTYPES}, got {lora_dtype!r}"
@@ -203,29 +165,21 @@ def apply(
     except ImportError as error:
         _warn(report, model_type, f"transformers has no modeling_{family.module} ({error}); nothing patched")
         return report
-    classes = {name: getattr(modeling, name, None) for name in (family.norm, family.mlp, family.causal_lm)}
+    classes = {name: getattr(modeling, name, None) for name in (family.mlp, family.causal_lm)}
     missing = [name for name, cls in classes.items() if cls is None]
     if missing:
         _warn(report, model_type, f"this transformers lacks {', '.join(missing)}; nothing patched")
         return report
     patched = _PATCHED[hf_model] = _Patched(report, [])  # from here on unapply restores what was done
 
-    for name, module in hf_model.named_modules():
-        cls = type(module)
-        if norms and cls is classes[family.norm]:
-            _patch_norm(patched, name, module, family)
-        elif mlps and cls is classes[family.mlp]:
-            _patch_mlp(patched, name, module, family, hf_model.config, lora)
-        elif lora and peft_lora.is_lora_layer(module):
-            _patch_lora_layer(patched, name, module, lora_dtype)
-        elif cls.__name__.endswith(("RMSNorm", "LayerNorm", "MLP")) and cls not in classes.values():
-            _warn(report, name, f"{cls.__name__} is not {family.norm} or {family.mlp}: left as it is")
-    if loss or attention or packed_documents != "hf":
-        what = "; ".join(
-            (["the loss is left as it is"] if loss else [])
-            + (["attention is left as it is"] if attention else [])
-            + ([f"packed_documents={packed_documents!r} is not applied"] if packed_documents != "hf" else [])
-        )
+    if lora:
+        activation = getattr(hf_model.config, family.activation_attribute, None)
+        for name, module in hf_model.named_modules():
+            if type(module) is classes[family.mlp]:
+                _patch_lora_mlp(patched, name, module, family, activation)
+            elif peft_lora.is_lora_layer(module):
+                _patch_lora_layer(patched, name, module, lora_dtype)
+    if loss or packed_documents != "hf":
         if type(hf_model) is classes[family.causal_lm]:
             decoder = getattr(hf_model, "model", None)
             attributes = {
@@ -233,35 +187,18 @@ def apply(
                 "_fastops_fused_loss": loss,
                 "_fastops_weight_grad_accumulation": weight_grad_accumulation,
                 "_fastops_loss_chunk_size": loss_chunk_size,
-                "_fastops_recomputed": frozenset(
-                    kind
-                    for kind, on in (
-                        (recompute.NORMS, recompute_norms and norms),
-                        (recompute.GLU, recompute_glu and mlps),
-                    )
-                    if on
-                ),
                 "_fastops_packed_documents": packed_documents,
                 "_fastops_mask_only_cache": forwards.mask_only_cache_class(),
                 "_fastops_cache_argument": forwards.decoder_cache_argument(decoder) if decoder is not None else None,
             }
             if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
                 report.loss = loss
-                if attention:
-                    _patch_attention(patched, hf_model)
         else:
+            what = "; ".join(
+                (["the loss is left as it is"] if loss else [])
+                + ([f"packed_documents={packed_documents!r} is not applied"] if packed_documents != "hf" else [])
+            )
             _warn(report, type(hf_model).__name__, f"not a {family.causal_lm}: {what}")
-    if rope:
-        if callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-            patch = rope_patch(modeling.__name__, forwards.hf_apply_rotary_pos_emb)
-            patched.rope_patches = _compat.acquire([patch])
-            report.rope = bool(patched.rope_patches)
-            if not report.rope:
-                _warn(
-                    report, modeling.__name__, "RoPE is left as it is on this transformers version (a warning said why)"
-                )
-        else:
-            _warn(report, modeling.__name__, "has no apply_rotary_pos_emb: RoPE is left as it is")
     return report
 
 
@@ -274,9 +211,6 @@ def unapply(model: torch.nn.Module) -> None:
     for module, attributes in patched.instances:
         for attribute in attributes:
             delattr(module, attribute)
-    if patched.attention_implementation is not None:
-        hf_model.set_attn_implementation(patched.attention_implementation)  # type: ignore[operator]  # transformers'
-    _compat.release(patched.rope_patches)
 
 
 @contextlib.contextmanager
@@ -313,78 +247,43 @@ def _set_forward(patched: _Patched, name: str, module: torch.nn.Module, forward:
     return True
 
 
-def _patch_attention(patched: _Patched, model: torch.nn.Module) -> None:
-    current = getattr(model.config, "_attn_implementation", None)
-    if current != "sdpa":  # the user's choice (flash attention reads packed positions itself): no warning
-        patched.report.skipped["attention"] = f"attn_implementation is {current!r}, not 'sdpa': left as it is"
-    elif not callable(getattr(model, "set_attn_implementation", None)) or not attention_interface.register():
-        _warn(patched.report, "attention", "this transformers has no attention interface to register with")
-    else:
-        model.set_attn_implementation(attention_interface.ATTENTION)  # type: ignore[operator]  # transformers'
-        patched.attention_implementation, patched.report.attention = current, True
-
-
-def _patch_norm(patched: _Patched, name: str, module: torch.nn.Module, family: Family) -> None:
-    eps_attribute = "eps" if family.norm_kind == "gemma" else "variance_epsilon"
-    weight = getattr(module, "weight", None)
-    if not (
-        isinstance(weight, torch.Tensor)
-        and weight.dim() == 1
-        and isinstance(getattr(module, eps_attribute, None), float)
+def _patch_lora_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Family, activation: Any) -> None:
+    """One ``lora_mlp`` for the MLP when :func:`_lora_mlp_fusable`; otherwise its LoRA layers are patched one
+    by one (they are modules of their own: :func:`apply` reaches them after the MLP)."""
+    if not _lora_mlp_fusable(patched, name, module, family.mlp_projections, activation):
+        return
+    if _set_forward(
+        patched, name, module, peft_lora.lora_mlp_forward, _fastops_lora_activation=ACTIVATIONS[activation]
     ):
-        _warn(
-            patched.report,
-            name,
-            f"{type(module).__name__} without a 1-D weight and a float {eps_attribute}: left as it is",
-        )
-        return
-    if _set_forward(patched, name, module, forwards.NORM_FORWARDS[family.norm_kind]):
-        patched.report.norms.append(name)
+        patched.report.lora_mlps.append(name)
 
 
-def _patch_mlp(patched: _Patched, name: str, module: torch.nn.Module, family: Family, config: Any, lora: bool) -> None:
-    activation = ACTIVATIONS.get(getattr(config, family.activation_attribute, None))  # type: ignore[arg-type]
-    projections = (
-        ("gate_up_proj", "down_proj") if family.mlp_kind == "packed" else ("gate_proj", "up_proj", "down_proj")
-    )
-    if activation is None:
-        why = f"activation {getattr(config, family.activation_attribute, None)!r} is not one our GLU ops fuse"
-        _warn(patched.report, name, f"{why}: left as it is")
-        return
-    if not all(isinstance(getattr(module, p, None), torch.nn.Module) for p in projections):
-        _warn(patched.report, name, f"{type(module).__name__} without {', '.join(projections)}: left as it is")
-        return
-    if lora and _lora_mlp_fusable(patched, name, module, projections):
-        attributes = {
-            "_fastops_activation": activation,
-            "_fastops_lora_activation": peft_lora.MLP_ACTIVATIONS[activation],
-            "_fastops_mlp_fallback": forwards.gated_mlp_forward,
-        }
-        if _set_forward(patched, name, module, peft_lora.lora_mlp_forward, **attributes):
-            patched.report.mlps.append(name)
-            patched.report.lora_mlps.append(name)
-        return
-    if _set_forward(patched, name, module, forwards.MLP_FORWARDS[family.mlp_kind], _fastops_activation=activation):
-        patched.report.mlps.append(name)
-
-
-def _lora_mlp_fusable(patched: _Patched, name: str, module: torch.nn.Module, projections: tuple[str, ...]) -> bool:
-    """Whether the MLP can run as one ``lora_mlp``: all of gate, up and down fusable PEFT LoRA layers.
-    When some are LoRA layers but not all fit, warns: the MLP then gets the plain fused activation and
-    each fusable LoRA layer its own ``lora_linear``."""
-    layers = {p: getattr(module, p) for p in projections}
+def _lora_mlp_fusable(
+    patched: _Patched, name: str, module: torch.nn.Module, projections: tuple[str, ...], activation: Any
+) -> bool:
+    """Whether the MLP can run as one ``lora_mlp``: gate, up and down all fusable PEFT LoRA layers with one
+    dropout probability, and an activation :data:`~inductor_ext.models.families.ACTIVATIONS` names. When
+    some projections are LoRA layers but the MLP does not fit, warns: each fusable LoRA layer then runs
+    its own ``lora_linear``."""
+    layers: dict[str, Any] = {p: getattr(module, p, None) for p in projections}
     wrapped = [p for p, layer in layers.items() if peft_lora.is_lora_layer(layer)]
     if not wrapped:
         return False
-    where = "its projections run one by one (fused activation, each fusable LoRA layer one lora_linear)"
-    if projections != ("gate_proj", "up_proj", "down_proj"):
+    where = "its projections run one by one (each fusable LoRA layer one lora_linear)"
+    if projections != GATED_PROJECTIONS:
         _warn(patched.report, name, f"not one lora_mlp: the packed gate_up_proj is not a lora_mlp input; {where}")
         return False
-    reasons = {p: peft_lora.unfusable_reason(layer) for p, layer in layers.items() if p in wrapped}
+    reasons = {
+        p: "its forward is already replaced" if "forward" in vars(layer) else peft_lora.unfusable_reason(layer)
+        for p, layer in layers.items()
+        if p in wrapped
+    }
     plain = [p for p in projections if p not in wrapped]
     why = "; ".join(f"{p}: {reason}" for p, reason in reasons.items() if reason is not None)
     if plain:
         why = "; ".join(filter(None, [f"{', '.join(plain)} without LoRA", why]))
+    if activation not in ACTIVATIONS:
+        why = "; ".join(filter(None, [why, f"activation {activation!r} is not one lora_mlp fuses"]))
     if why:
         _warn(patched.report, name, f"not one lora_mlp ({why}); {where}")
         return False

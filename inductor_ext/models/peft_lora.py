@@ -48,10 +48,6 @@ LORA_DTYPES: tuple[LoraDtype, ...] = ("adapters", "input")
 """``models.apply``'s ``lora_dtype``: the low-rank GEMMs in the adapters' dtype (PEFT's numerics) or in
 the input's (adapters cast per call, as autocast would)."""
 
-MLP_ACTIVATIONS = {("silu", "none"): "silu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh"}
-"""(our GLU activation, GELU approximation) as :data:`~inductor_ext.models.families.ACTIVATIONS`
-names it -> :func:`~inductor_ext.ops.lora.lora_mlp`'s ``activation``."""
-
 
 def lora_linear_class() -> Any:
     """PEFT's ``lora.Linear`` when PEFT is imported (a model holding PEFT layers imported it), else None."""
@@ -210,10 +206,11 @@ def lora_linear_forward(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tens
 
 def lora_mlp_forward(self: Any, x: Tensor) -> Tensor:
     """A gated MLP over three PEFT ``lora.Linear`` layers: ``down(act(gate(x)) * up(x))`` as one
-    :func:`lora_mlp`; the per-layer path (:attr:`_fastops_mlp_fallback`) when a layer's state changed."""
+    :func:`lora_mlp` (``self._fastops_lora_activation``); when a layer's state no longer fits, the MLP
+    class's own forward, whose projections run their own forwards (:func:`lora_linear_forward` or PEFT's)."""
     layers = (self.gate_proj, self.up_proj, self.down_proj)
     active = [_active(layer, {}, x.dtype) for layer in layers]
     if any(a is None for a in active) or len({a[1] for a in active if a is not None}) != 1:
-        return self._fastops_mlp_fallback(self, x)
+        return type(self).forward(self, x)
     (gate, p), (up, _), (down, _) = (a for a in active if a is not None)
     return lora_mlp(x, gate, up, down, activation=self._fastops_lora_activation, dropout_p=p)

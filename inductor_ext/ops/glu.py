@@ -318,10 +318,9 @@ def swiglu(gate: Tensor, up: Tensor, *, overwrite_inputs_in_backward: bool = Fal
         overwrite_inputs_in_backward: let the eager backward write the gradients of ``gate``
             and ``up`` over ``gate`` and ``up`` (no new ``2 M I`` elements at the backward's
             peak), when they are activations nothing else reads after it, e.g. the outputs of
-            the MLP's projections (as :func:`inductor_ext.models.apply` passes them). Their
-            version counters are bumped, so a backward that saved them too raises instead of
-            reading gradients. Only where our kernels run, the graph is not retained, and in
-            plain eager: compiled graphs plan their own buffers.
+            the MLP's projections. Their version counters are bumped, so a backward that saved
+            them too raises instead of reading gradients. Only where our kernels run, the graph
+            is not retained, and in plain eager: compiled graphs plan their own buffers.
 
     Computes in fp32 and rounds once to the inputs' dtype (HF eager also rounds
     ``silu(gate)`` to the dtype before the product). The backward recomputes

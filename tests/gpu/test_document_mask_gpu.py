@@ -58,25 +58,29 @@ def test_packed_training_step_runs_flex_attention_as_hf(tmp_path, monkeypatch):
     assert not counters["recompiles"]
 
 
-def test_patched_model_on_packed_rows_runs_document_attention_as_hf(tmp_path, monkeypatch):
-    """``models.apply``'s attention on two packed rows: eager (compiled FlexAttention) and under the
-    backend (Dynamo traces FlexAttention), each within bf16 noise of transformers' masked SDPA."""
+def test_patched_model_on_packed_rows_is_rewritten_as_hf(tmp_path, monkeypatch):
+    """A model patched by ``models.apply`` (the fused loss) on two packed rows: eager it runs transformers'
+    masked SDPA; under the backend the document mask is rewritten in every layer, as for the unpatched
+    model; each within bf16 noise of transformers'."""
     from inductor_ext import models
 
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
+    counters.clear()
     reference = build_model("tiny-llama", "cuda", torch.bfloat16)
     exact = build_model("tiny-llama", "cuda", torch.float32)
     exact.load_state_dict(reference.state_dict())
     patched = build_model("tiny-llama", "cuda", torch.bfloat16)
     patched.load_state_dict(reference.state_dict())
-    assert models.apply(patched).attention
+    assert models.apply(patched).loss
     compiled = torch.compile(patched, backend="fastops_inductor", fullgraph=True)
     for seed in range(2):
         kwargs = _packed_call(reference.config.vocab_size, 1024, seed)
         exact_result, hf_result = _step(exact, **kwargs), _step(reference, **kwargs)
         for model in (patched, compiled):
             _assert_within_noise(_step(model, **kwargs), hf_result, exact_result)
+    assert counters["inductor_ext"]["rewrite_document_mask"] == reference.config.num_hidden_layers
+    assert not counters["recompiles"]
 
 
 @pytest.mark.parametrize(("batch", "length"), [(2, 777), (4, 512), (1, 4096)])

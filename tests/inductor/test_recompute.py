@@ -1,6 +1,9 @@
 """``fastops.recompute_norms`` on CPU: which norm calls are marked, what the compiled training step then
 saves for the backward (exactly the norm outputs less), and that its gradients are unchanged to the bit."""
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch._functorch.config
@@ -10,7 +13,7 @@ import transformers
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext import models
 from inductor_ext.inductor import passes
-from inductor_ext.inductor.graph_queries import is_call
+from inductor_ext.inductor.graph_queries import is_call, value
 from inductor_ext.inductor.options import parse_options
 from inductor_ext.inductor.recompute import NORM_FORWARDS
 from tests.hf_spellings import LlamaRMSNorm
@@ -63,7 +66,34 @@ def test_only_norms_whose_output_reaches_a_matmul_are_marked(monkeypatch):
     assert marked == [(2, [True, True, False, False])]
 
 
-def _saved_bytes_and_grads(model, ids, norms: bool, glu: bool = False):
+def _output_bytes(node: torch.fx.Node) -> int:
+    """Bytes of a call's outputs (a norm's ``y`` and ``rstd``, a GLU's output), from Dynamo's example values."""
+    outputs = torch.utils._pytree.tree_leaves(value(node))
+    return sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def marked_output_bytes() -> Iterator[dict[str, int]]:
+    """Within, the bytes of the outputs of the calls the backend marks for recomputation, by op name
+    (``rms_norm_fwd``), summed over the graphs compiled."""
+    marked: dict[str, int] = {}
+    mark = passes.mark_recompute
+
+    def marking(gm, forwards):
+        count = mark(gm, forwards)
+        for node in gm.graph.nodes:
+            if node.meta.get("recompute") is not None and is_call(node, forwards):
+                marked[node.target._opname] = marked.get(node.target._opname, 0) + _output_bytes(node)
+        return count
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(passes, "mark_recompute", marking)
+        yield marked
+
+
+def _saved_bytes_and_grads(model, ids, norms: bool):
+    """Bytes saved for the backward, the bytes of the outputs the backend marked for recomputation (by
+    op), loss and gradients of one compiled training step."""
     saved = []
 
     def pack(t):
@@ -71,14 +101,14 @@ def _saved_bytes_and_grads(model, ids, norms: bool, glu: bool = False):
         return t
 
     torch._dynamo.reset()
-    options = {"fastops.recompute_norms": norms, "fastops.recompute_glu": glu}
+    options = {"fastops.recompute_norms": norms}
     compiled = torch.compile(model, backend="fastops_inductor", options=options)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with marked_output_bytes() as marked, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return sum(saved), loss.detach(), grads
+    return sum(saved), marked, loss.detach(), grads
 
 
 @pytest.fixture(scope="module")
@@ -89,30 +119,25 @@ def patched_llama():
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
-    with models.patched(model):  # unapplied after the module's tests: the RoPE patch is process-wide
+    with models.patched(model):
         yield model, torch.randint(0, 256, (2, TOKENS // 2))
 
 
-@pytest.mark.parametrize(
-    ("glu", "fewer_bytes"),
-    [
-        # y (bf16) and rstd (fp32) of each layer's two norms
-        (False, LAYERS * 2 * (TOKENS * H * 2 + TOKENS * 4)),
-        # and each layer's GLU output (bf16, TOKENS x 4H)
-        (True, LAYERS * (2 * (TOKENS * H * 2 + TOKENS * 4) + TOKENS * 4 * H * 2)),
-    ],
-)
-def test_patched_llama_saves_exactly_the_recomputed_outputs_less_with_the_same_gradients(
-    patched_llama, glu, fewer_bytes
-):
-    """Each decoder layer's two norms and its GLU feed projections: with the options their outputs are
-    recomputed in the backward instead of saved. The final norm feeds the fused loss, which saves its
-    gradients rather than its input, so it stays as it was. The recompute runs the same kernel on the
-    same inputs, so the gradients are equal to the bit."""
+NORM_BYTES = TOKENS * H * 2 + TOKENS * 4
+"""One norm's ``y`` (bf16) and ``rstd`` (fp32)."""
+
+
+def test_patched_llama_saves_exactly_the_recomputed_outputs_less_with_the_same_gradients(patched_llama):
+    """The backend rewrites the patched model's norms as an unpatched model's: the first layer's input norm
+    (an ``rms_norm`` feeding the q/k/v projections) is marked for recomputation, the norms after residual
+    adds become ``add_rms_norm`` (which is not recomputed: its recompute would need both summands); the final
+    norm feeds the fused loss, no matrix product. The step saves exactly the marked calls' outputs less. The recompute runs the same kernel on the same inputs, so the gradients
+    are equal to the bit."""
     model, ids = patched_llama
-    kept_bytes, kept_loss, kept_grads = _saved_bytes_and_grads(model, ids, norms=False)
-    recomputed_bytes, loss, grads = _saved_bytes_and_grads(model, ids, norms=True, glu=glu)
-    assert kept_bytes - recomputed_bytes == fewer_bytes
+    kept_bytes, kept_marked, kept_loss, kept_grads = _saved_bytes_and_grads(model, ids, norms=False)
+    recomputed_bytes, marked, loss, grads = _saved_bytes_and_grads(model, ids, norms=True)
+    assert kept_marked == {} and marked == {"rms_norm_fwd": NORM_BYTES}
+    assert kept_bytes - recomputed_bytes == sum(marked.values())
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name

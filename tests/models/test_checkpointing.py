@@ -28,7 +28,7 @@ and A products (and the B products, traced as aten.mm on CPU), and then the quer
 @pytest.fixture
 def patched_pair():
     """Two copies of a patched tiny LoRA Llama: plain checkpointing, and keeping the MLP's outputs;
-    unpatched afterwards (``apply`` also patches transformers' shared RoPE function)."""
+    unpatched afterwards."""
     yield from _patched_pair("keep_lora_mlp_outputs")
 
 

@@ -6,10 +6,6 @@ when the decoder runs without a KV cache, and builds one by default (``use_cache
 ``use_cache``, with packed ``position_ids``, a padding ``attention_mask`` or both, in training and in
 evaluation, its loss and gradients are transformers' for the same call; ``packed_documents="separate"``
 is transformers with ``use_cache=False``.
-
-Masking is the causal LM forward's and the decoder's alone, so most tests patch only the loss (our
-norms, MLPs and RoPE would run under the Triton interpreter on CPU, slowly, and are compared with
-transformers' in test_patch.py); the cache and gradient-checkpointing tests patch everything.
 """
 
 import copy
@@ -30,7 +26,6 @@ PACKED = torch.tensor([[*range(6), *range(10)], [*range(4), *range(7), *range(5)
 """Two rows of three and two documents."""
 PADDING = torch.ones(BATCH, SEQ, dtype=torch.long)
 PADDING[1, -5:] = 0
-LOSS_ONLY = {"norms": False, "mlps": False, "rope": False}
 INPUTS = {
     "packed position_ids": {"position_ids": PACKED},
     "attention_mask": {"attention_mask": PADDING},
@@ -67,7 +62,7 @@ def reference() -> torch.nn.Module:
 @pytest.fixture(scope="module", params=["hf", "separate"])
 def patched(request, reference) -> Iterator[tuple[str, torch.nn.Module]]:
     model = copy.deepcopy(reference)
-    with models.patched(model, packed_documents=request.param, **LOSS_ONLY):
+    with models.patched(model, packed_documents=request.param):
         yield request.param, model
 
 
@@ -95,7 +90,7 @@ def test_transformers_default_lets_packed_documents_attend_across(reference):
     default, without_cache = reference(**call).loss, reference(**call, use_cache=False).loss
     assert (default - without_cache).abs() > 1e-4
     separate = copy.deepcopy(reference)
-    with models.patched(separate, packed_documents="separate", **LOSS_ONLY):
+    with models.patched(separate, packed_documents="separate"):
         torch.testing.assert_close(separate(**call).loss, without_cache, rtol=1e-6, atol=1e-6)
 
 
@@ -157,7 +152,7 @@ def test_every_family_masks_packed_rows_as_transformers_does(model_type):
     call = _batch(**INPUTS["packed position_ids"])
     for mode, expected_call in (("hf", call), ("separate", {**call, "use_cache": False})):
         model = copy.deepcopy(reference)
-        with models.patched(model, packed_documents=mode, **LOSS_ONLY):
+        with models.patched(model, packed_documents=mode):
             ours = model(**call)
             assert _kv_cache(ours) is None
             torch.testing.assert_close(ours.loss, reference(**expected_call).loss, rtol=1e-6, atol=1e-6)
@@ -168,7 +163,7 @@ def test_without_a_cache_that_keeps_nothing_transformers_forward_runs_the_call(r
     cache and logits included), so its masks are still transformers'."""
     model = copy.deepcopy(reference)
     call = _batch(**INPUTS["packed position_ids"])
-    with models.patched(model, **LOSS_ONLY):
+    with models.patched(model):
         model._fastops_mask_only_cache = None
         ours = model(**call)
         assert ours.logits is not None and _kv_cache(ours) is not None
@@ -180,7 +175,7 @@ def test_separate_without_the_fused_loss(reference):
     """``loss=False``: the loss is transformers' (logits built), packed documents still separated."""
     model = copy.deepcopy(reference)
     call = _batch(**INPUTS["packed position_ids"])
-    with models.patched(model, loss=False, packed_documents="separate", **LOSS_ONLY) as report:
+    with models.patched(model, loss=False, packed_documents="separate") as report:
         assert not report.loss
         ours = model(**call, use_cache=True)
         assert ours.logits is not None and _kv_cache(ours) is None

@@ -1,6 +1,8 @@
 """inductor_ext.models.apply on transformers' own models, one tiny random-init config per family (CPU;
-our kernels run under the Triton interpreter): training converges step for step with the unpatched
-model, HF's loss semantics hold, unapply restores everything, and what cannot be patched is named."""
+our kernels run under the Triton interpreter): the fused loss gives HF's loss and gradients and training
+converges step for step with the unpatched model, HF's loss semantics hold, the backend rewrites the
+patched model as the unpatched one, nothing outside the patched model changes, unapply restores
+everything, and what cannot be patched is named."""
 
 import copy
 import re
@@ -70,9 +72,7 @@ def test_patched_training_converges_with_the_unpatched_model(model_type, batches
     with warnings.catch_warnings():
         warnings.simplefilter("error", PatchWarning)  # every part of a known family is patched
         with models.patched(model) as report:
-            layers = COMMON["num_hidden_layers"]
-            assert report.loss and report.rope and len(report.mlps) == layers
-            assert len(report.norms) >= 2 * layers + 1
+            assert report.loss and report.family == model_type
             actual = train_losses(model, batches)
     expected = train_losses(reference, batches)
 
@@ -81,6 +81,24 @@ def test_patched_training_converges_with_the_unpatched_model(model_type, batches
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         moved = (q - initial[name]).norm().item()
         assert (p - q).norm().item() <= 1e-2 * moved + 1e-9, name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_patched_loss_and_gradients_are_hf(model_type):
+    """One training call (fp32, eager): the fused LM head + loss gives transformers' loss and every
+    parameter's gradient, to float32 rounding (Gemma 2: with its final logit soft-cap), and no logits."""
+    reference = tiny_model(model_type)
+    model = copy.deepcopy(reference)
+    ids = _batches(1)[0]
+    with models.patched(model):
+        ours = model(input_ids=ids, labels=ids)
+        ours.loss.backward()
+    theirs = reference(input_ids=ids, labels=ids)
+    theirs.loss.backward()
+    assert ours.logits is None and theirs.logits is not None
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "gemma2"])
@@ -98,6 +116,59 @@ def test_patched_model_compiles_with_no_graph_break(model_type):
         loss.backward()
     assert not counters["graph_break"]
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+
+
+BACKEND_CALLS = {
+    "causal": {},
+    "packed documents": {
+        "position_ids": torch.tensor([[*range(6), *range(10)], [*range(4), *range(7), *range(5)]]),
+        "use_cache": False,
+    },
+}
+
+
+def _backend_passes(model: torch.nn.Module, call: dict, marked: list[int]) -> dict[str, int]:
+    """The backend's rewrites of one training call's graph (name -> count) and, in ``marked``, how many
+    norm outputs it marked for recomputation; Inductor itself is not run (the graph runs as it is)."""
+    torch._dynamo.reset()
+    counters.clear()
+    marked.clear()
+    torch.compile(model, backend="fastops_inductor", fullgraph=True)(**call)
+    return {name: n for name, n in counters["inductor_ext"].items() if name.startswith("rewrite_")}
+
+
+@pytest.mark.parametrize("call", BACKEND_CALLS)
+def test_the_backend_rewrites_the_patched_model_as_an_unpatched_one(monkeypatch, call):
+    """Under ``fastops_inductor`` the patched model's decoder is rewritten as the unpatched model's: the
+    same norm rewrites (the residual adds fused into the norms), RoPE, GLU and mask rewrites (packed rows:
+    the document mask), and the same norm outputs marked for recomputation. Only the loss differs: the
+    unpatched model's cross-entropy on the logits is rewritten, the patched model's fused loss is our op
+    already."""
+    import torch._inductor.compile_fx
+
+    from inductor_ext.inductor import backend
+
+    marked: list[int] = []
+    mark = backend.mark_recompute
+    monkeypatch.setattr(backend, "mark_recompute", lambda gm, ops: marked.append(mark(gm, ops)) or marked[-1])
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda gm, example_inputs, **kwargs: gm.forward)
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    ids = _batches(1)[0]
+    call = {"input_ids": ids, "labels": ids, **BACKEND_CALLS[call]}
+    unpatched = _backend_passes(reference, call, marked)
+    unpatched_marked = list(marked)
+    with models.patched(model):
+        patched = _backend_passes(model, call, marked)
+    torch._dynamo.reset()
+    assert marked == unpatched_marked and sum(marked) > 0
+    losses = {name for name in unpatched.keys() | patched.keys() if "cross_entropy" in name}
+    assert losses and not any("cross_entropy" in name for name in patched)
+    decoder = {name: n for name, n in unpatched.items() if name not in losses}
+    assert {name: n for name, n in patched.items() if name not in losses} == decoder
+    rewrites = ("rms_norm", "add_rms_norm", "rope", "glu") + (("document_mask",) if "position_ids" in call else ())
+    for rewrite in rewrites:
+        assert any(name.startswith(f"rewrite_{rewrite}") for name in decoder), (rewrite, decoder)
 
 
 def _kv_cache(outputs) -> object:
@@ -199,21 +270,51 @@ def test_evaluation_and_calls_without_labels_return_logits():
         torch.testing.assert_close(ours.loss, theirs.loss)
 
 
-def test_unapply_restores_the_model_and_the_shared_rope():
-    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+def test_unapply_restores_the_model():
+    model = tiny_model("llama")
+    models.apply(model)
+    models.unapply(model)
+    assert not any(attribute.startswith(("forward", "_fastops_")) for m in model.modules() for attribute in vars(m))
+    ids = _batches(1)[0]
+    assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def _outputs_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Training loss, logits and gradients, then evaluation logits, of one call on ``ids``."""
+    model.train()
+    outputs = model(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    results = [outputs.loss.detach(), outputs.logits.detach(), *(p.grad for p in model.parameters())]
+    model.eval()
+    with torch.no_grad():
+        results.append(model(input_ids=ids).logits)
+    return results
+
+
+def test_patching_one_model_leaves_other_models_and_transformers_alone():
+    """``apply`` changes the instance it is given only: a second Llama built and run in the same process
+    while another is patched computes what plain transformers computes, to the bit, and no attribute of
+    transformers' modeling module is replaced, while the first model is patched or after it is unapplied."""
     from transformers.models.llama import modeling_llama
 
-    original = modeling_llama.apply_rotary_pos_emb
-    models.apply(first)
-    models.apply(second)
-    assert modeling_llama.apply_rotary_pos_emb is not original
-    models.unapply(first)
-    assert modeling_llama.apply_rotary_pos_emb is not original  # still used by the second model
-    models.unapply(second)
-    assert modeling_llama.apply_rotary_pos_emb is original
-    assert not any("forward" in vars(m) or "_fastops_activation" in vars(m) for m in first.modules())
     ids = _batches(1)[0]
-    assert first(input_ids=ids, labels=ids).logits is not None
+    module_before = dict(vars(modeling_llama))
+    expected = _outputs_and_grads(tiny_model("llama", seed=1), ids)  # plain transformers, before any patch
+
+    first = tiny_model("llama")
+    with models.patched(first) as report:
+        assert report.loss
+        first(input_ids=ids, labels=ids).loss.backward()  # the patched model runs
+        module_patched = dict(vars(modeling_llama))
+        second = tiny_model("llama", seed=1)
+        actual = _outputs_and_grads(second, ids)
+    assert not any("forward" in vars(m) or any(a.startswith("_fastops_") for a in vars(m)) for m in second.modules())
+    assert len(actual) == len(expected)
+    for ours, theirs in zip(actual, expected):
+        assert torch.equal(ours, theirs)
+    for module in (module_patched, dict(vars(modeling_llama))):
+        assert module.keys() == module_before.keys()
+        assert [name for name, value in module.items() if value is not module_before[name]] == []
 
 
 def test_peft_wrapped_model_is_patched_and_trains():
@@ -225,8 +326,8 @@ def test_peft_wrapped_model_is_patched_and_trains():
             torch.nn.init.normal_(param, std=0.02)
     wrapped_reference = copy.deepcopy(wrapped)
     ids = _batches(1)[0]
-    with models.patched(wrapped) as report:
-        assert report.loss and len(report.mlps) == COMMON["num_hidden_layers"]
+    with models.patched(wrapped) as report:  # the MLPs' up and down projections have no LoRA: no lora_mlp
+        assert report.loss and len(report.lora) == 3 * COMMON["num_hidden_layers"] and report.lora_mlps == []
         ours = wrapped(input_ids=ids, labels=ids)
         ours.loss.backward()
     theirs = wrapped_reference(input_ids=ids, labels=ids)
@@ -247,17 +348,17 @@ def test_what_cannot_be_patched_is_named():
     with pytest.warns(PatchWarning, match="unknown model family"), models.patched(gpt2) as again:
         assert not again  # a second apply is not "already patched", and leaving the block unapplies nothing
 
-    relu = tiny_model("llama", hidden_act="relu")
-    with pytest.warns(PatchWarning, match=r"model\.layers\.0\.mlp: activation 'relu'"):
-        report = models.apply(relu)
-    assert report.mlps == [] and report.norms and "model.layers.1.mlp" in report.skipped
-    models.unapply(relu)
-
     hooked = tiny_model("llama")
-    hooked.model.norm.forward = lambda x: x  # e.g. an accelerate hook
-    with pytest.warns(PatchWarning, match=r"model\.norm: its forward is already replaced"):
-        models.apply(hooked)
+    hooked.forward = hooked.forward  # e.g. an accelerate hook: an instance forward
+    with pytest.warns(PatchWarning, match=r"model: its forward is already replaced"):
+        report = models.apply(hooked)
+    assert not report.loss and "model" in report.skipped
     models.unapply(hooked)
+
+    decoder = tiny_model("llama").model  # a LlamaModel: no LM head
+    with pytest.warns(PatchWarning, match=r"LlamaModel: not a LlamaForCausalLM: the loss is left as it is"):
+        assert not models.apply(decoder)
+    models.unapply(decoder)
 
 
 def test_bad_calls_raise():

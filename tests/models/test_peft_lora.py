@@ -168,8 +168,59 @@ def test_mlp_with_some_projections_wrapped_runs_them_one_by_one():
     model = lora_model("llama", targets=["gate_proj", "down_proj"])
     with pytest.warns(PatchWarning, match=r"model\.layers\.0\.mlp: not one lora_mlp \(up_proj without LoRA\)"):
         report = models.apply(model)
-    assert report.lora_mlps == [] and len(report.mlps) == LAYERS and len(report.lora) == 2 * LAYERS
+    assert report.lora_mlps == [] and len(report.lora) == 2 * LAYERS
     models.unapply(model)
+
+
+def test_mlp_with_an_activation_lora_mlp_does_not_fuse_runs_its_projections_one_by_one():
+    model = peft.get_peft_model(tiny_model("llama", hidden_act="relu"), peft.LoraConfig(r=4, target_modules=ALL_LINEAR))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    reference = copy.deepcopy(model)
+    ids = _batches(1)[0]
+    with pytest.warns(PatchWarning, match=r"model\.layers\.0\.mlp: not one lora_mlp \(activation 'relu'"):
+        report = models.apply(model)
+    assert report.lora_mlps == [] and len(report.lora) == 7 * LAYERS
+    torch.testing.assert_close(
+        model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=1e-6
+    )
+    models.unapply(model)
+
+
+def test_an_mlp_whose_layer_no_longer_fits_runs_its_own_forward(monkeypatch):
+    """After ``apply``, one projection's adapter is merged: the MLP runs its class's forward, the other two
+    projections their fused ``lora_linear``, the merged one PEFT's; the loss and gradients are PEFT's."""
+    from inductor_ext.models import peft_lora
+
+    calls: list[str] = []
+
+    def counting(op: str, real):
+        def counted(*args, **kwargs):
+            calls.append(op)
+            return real(*args, **kwargs)
+
+        return counted
+
+    for op in ("lora_mlp", "lora_linear"):
+        monkeypatch.setattr(peft_lora, op, counting(op, getattr(peft_lora, op)))
+    model = lora_model("llama")
+    reference = copy.deepcopy(model)
+    ids = _batches(1)[0]
+    with models.patched(model) as report:
+        assert len(report.lora_mlps) == LAYERS
+        for mlp in (layer.mlp for m in (model, reference) for layer in m.base_model.model.model.layers):
+            mlp.up_proj.merge()
+        ours = model(input_ids=ids, labels=ids).loss
+        ours.backward()
+    assert calls == ["lora_linear"] * 6 * LAYERS  # q, k, v, o, gate and down
+    theirs = reference(input_ids=ids, labels=ids).loss
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    grads, expected = _adapter_grads(model), _adapter_grads(reference)
+    assert list(grads) == list(expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_disabled_adapters_and_the_lora_switch_run_peft():
@@ -182,7 +233,7 @@ def test_disabled_adapters_and_the_lora_switch_run_peft():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PatchWarning)
         with models.patched(model, lora=False) as report:
-            assert report.lora == [] and report.lora_mlps == [] and len(report.mlps) == LAYERS
+            assert report.lora == [] and report.lora_mlps == [] and report.loss
             assert not any("_fastops_adapter" in vars(m) for m in model.modules())
 
 
@@ -195,11 +246,7 @@ def test_unapply_restores_peft_forwards():
             assert report.lora
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
-    assert not any(
-        attribute in vars(m)
-        for m in model.modules()
-        for attribute in ("forward", "_fastops_adapter", "_fastops_lora_activation", "_fastops_mlp_fallback")
-    )
+    assert not any(attribute.startswith(("forward", "_fastops_")) for m in model.modules() for attribute in vars(m))
 
 
 @pytest.mark.parametrize("lora_dtype", ["adapters", "input"])

@@ -73,7 +73,7 @@ def test_every_4bit_lora_layer_runs_fused_with_peft_loss_and_gradients(checkpoin
     assert list(grads) == list(expected) and len(grads) == 2 * 7 * LAYERS
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    models.unapply(model)  # the RoPE patch is process-wide while a patched model holds it
+    models.unapply(model)
 
 
 def test_state_dict_saved_adapters_and_merge_are_untouched(checkpoint, tmp_path):

@@ -28,8 +28,8 @@ package gave wrong tokens and an illegal memory access (which of the two changes
 isolated). So each choice is one code path for every call.
 
 :func:`generation_attention` switches a model to a choice for the duration of a call, when the model
-runs SDPA (``"sdpa"``, or :mod:`inductor_ext.models.attention`'s, which on a KV cache is SDPA); other
-implementations (eager, flash attention) are the user's choice and are left alone.
+runs transformers' SDPA (``"sdpa"``); other implementations (eager, flash attention) are the user's
+choice and are left alone.
 """
 
 from collections.abc import Callable, Iterator
@@ -39,14 +39,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from inductor_ext.models import attention as patched_attention
 from inductor_ext.ops.decode_attention import SUPPORTED_DTYPES, decode_attention
 
 ATTENTION_CHOICES = ("sdpa", "folded_sdpa", "decode_attention")
 """``export_generation``'s ``attention`` values; each but ``"sdpa"`` is registered with transformers as
 ``"fastops_<choice>"``."""
-
-_SDPA_IMPLEMENTATIONS = ("sdpa", patched_attention.ATTENTION)
 
 
 def check_attention_choice(choice: object, caller: str) -> None:
@@ -131,6 +128,21 @@ _VARIANTS = {"folded_sdpa": folded_sdpa, "decode_attention": decode_kernel_atten
 """Each choice but ``"sdpa"`` -> its attention function."""
 
 
+def register_sdpa_variant(name: str, attention: Callable[..., tuple[Tensor, None]]) -> bool:
+    """Register ``attention`` with transformers as the ``attn_implementation`` ``name``, its masks built as
+    for ``"sdpa"`` (transformers' ``sdpa_mask``); idempotent. False if this transformers has no attention
+    or mask interface to register with."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return False
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return True
+
+
 @contextmanager
 def generation_attention(model: nn.Module, choice: str) -> Iterator[bool]:
     """Run ``model``'s attention as ``choice`` (one of :data:`ATTENTION_CHOICES`) inside the block, if
@@ -138,11 +150,11 @@ def generation_attention(model: nn.Module, choice: str) -> Iterator[bool]:
     check_attention_choice(choice, "generation_attention")
     config: Any = model.config
     current = getattr(config, "_attn_implementation", None)
-    if choice == "sdpa" or current not in _SDPA_IMPLEMENTATIONS:
+    if choice == "sdpa" or current != "sdpa":
         yield False
         return
     name = f"fastops_{choice}"
-    if not patched_attention.register_sdpa_variant(name, _VARIANTS[choice]):
+    if not register_sdpa_variant(name, _VARIANTS[choice]):
         yield False
         return
     config._attn_implementation = name
