@@ -132,20 +132,20 @@ def test_compile_by_name_in_a_process_that_never_imported_the_package(tmp_path):
 
 
 def test_extras_bound_transformers_to_the_checked_range_and_both_setups_agree():
-    """Every extra that installs transformers bounds it to the versions ``inductor_ext._compat`` checks its
-    patches against; the test pin lies in that range, and the README's two set-up commands
-    (requirements-cpu.txt, requirements-test.txt) install the same version."""
+    """Every extra that installs transformers bounds it to the one tested range (``hf``'s); the test pin lies
+    in that range, and the README's two set-up commands (requirements-cpu.txt, requirements-test.txt)
+    install the same version."""
     import re
     from pathlib import Path
 
     import tomllib
 
-    from inductor_ext._compat.transformers_rope import TESTED_TRANSFORMERS
-
     root = Path(__file__).resolve().parent.parent
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    (low, high) = TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[-1]
-    bound = f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+    (bound,) = [r for r in extras["hf"] if r.startswith("transformers")]
+    found = re.fullmatch(r"transformers>=(\d+)\.(\d+),<(\d+)\.(\d+)", bound)
+    assert found, bound
+    low, high = (int(found[1]), int(found[2])), (int(found[3]), int(found[4]) - 1)
     for name, requirements in extras.items():
         pins = [r for r in requirements if r.startswith("transformers")]
         if name != "test":

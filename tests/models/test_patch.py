@@ -146,11 +146,11 @@ def test_the_backend_rewrites_the_patched_model_as_an_unpatched_one(monkeypatch,
     already."""
     import torch._inductor.compile_fx
 
-    from inductor_ext.inductor import backend
+    from inductor_ext.inductor import passes
 
     marked: list[int] = []
-    mark = backend.mark_recompute
-    monkeypatch.setattr(backend, "mark_recompute", lambda gm, ops: marked.append(mark(gm, ops)) or marked[-1])
+    mark = passes.mark_recompute
+    monkeypatch.setattr(passes, "mark_recompute", lambda gm, ops: marked.append(mark(gm, ops)) or marked[-1])
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda gm, example_inputs, **kwargs: gm.forward)
     reference = tiny_model("llama")
     model = copy.deepcopy(reference)
