@@ -92,6 +92,8 @@ def _train_command(meta: Mapping[str, Any], stem: str, provider: str) -> str:
             argv.append(f"--{flag.replace('_', '-')}")
     if meta.get("gradient_checkpointing"):
         argv.append("--gradient-checkpointing")
+    if meta.get("rounds", 1) != 1:
+        argv.append(f"--rounds {meta['rounds']}")
     return " ".join([*argv, f"--providers {provider}"])
 
 
