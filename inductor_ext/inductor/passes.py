@@ -71,8 +71,9 @@ def _patterns(gm: GraphModule, context: PassContext) -> Any:
     "recompute_norms",
     stages=("dynamo",),
     default=True,
-    reason="norm outputs that feed matrix products are recomputed in the backward, not saved: N*H elements "
-    "less per norm (1 GiB at 8192 tokens) for one norm kernel each",
+    reason="norm outputs that feed matrix products are recomputed in the backward, not saved: with every norm "
+    "of the step recomputed, 1.0 GiB less at the peak (16.92 against 17.92 GiB, H200); a norm fused with its "
+    "residual add (add_rms_norm) is not recomputed",
 )
 def _recompute_norms(gm: GraphModule, context: PassContext) -> Any:
     return mark_recompute(gm, NORM_FORWARDS)
