@@ -2,7 +2,6 @@
 pass registry (:func:`inductor_ext.inductor.options.options_table`). tests/inductor/test_options_table.py
 checks that the committed page holds what this writes."""
 
-import sys
 from pathlib import Path
 
 from inductor_ext.inductor.options import options_table
@@ -22,4 +21,3 @@ def with_table(page: str) -> str:
 
 if __name__ == "__main__":
     DOC.write_text(with_table(DOC.read_text()))
-    sys.exit(0)

@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from inductor_ext.inductor.cache_key import cache_key
+
 Stage = Literal["dynamo", "export", "post_grad"]
 STAGES: tuple[Stage, ...] = ("dynamo", "export", "post_grad")
 
@@ -99,8 +101,6 @@ class PostGradPasses(CustomGraphPass):
             self.chained(graph)
 
     def uuid(self) -> Any:
-        from inductor_ext.inductor.cache_key import cache_key
-
         chained = None
         if self.chained is not None:
             chained = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else repr(self.chained)
