@@ -15,6 +15,14 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Inductor's on-disk cache is safe to share between processes except for AOTInductor's generated files:
+# a second process compiling the same graph rewrites (truncates, then writes) the metadata JSON that the
+# first is packaging, which then holds an empty entry. Each xdist worker gets its own cache directory.
+if (_worker := os.environ.get("PYTEST_XDIST_WORKER")) and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{_worker}"
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu)")

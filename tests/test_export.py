@@ -29,6 +29,9 @@ HIDDEN = 64
 FP32_TOL = OUTPUT[torch.float32]
 
 
+pytestmark = pytest.mark.xdist_group("export")  # one worker builds the module's packages once
+
+
 class LlamaStyleBlock(torch.nn.Module):
     """Embedding-free Llama-style block: pre-norm linear mixer and pre-norm SwiGLU MLP, with residuals."""
 

@@ -19,6 +19,9 @@ from tests.tolerances import OUTPUT, rel_err
 FP32_TOL = OUTPUT[torch.float32]
 
 
+pytestmark = pytest.mark.xdist_group("export_cpp")  # one worker builds the module's packages once
+
+
 class SwiGLUBlock(LlamaStyleBlock):
     """The block with inductor_ext.swiglu in its MLP, so two op families go through the package."""
 

@@ -27,6 +27,9 @@ EOS_PROMPT = (3, 8, 4)
 """(batch, length, seed) of the prompt whose greedy continuation gives the end token (row 0's 5th token)."""
 
 
+pytestmark = pytest.mark.xdist_group("generate_cpp")  # one worker builds the module's packages once
+
+
 def _prompt(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 

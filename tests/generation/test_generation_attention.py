@@ -19,6 +19,8 @@ from inductor_ext.runtime.generation.step import GenerationStep
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+pytestmark = pytest.mark.xdist_group("generation_attention")  # one worker builds the module's packages once
+
 
 class _Attention(torch.nn.Module):
     def __init__(self, groups: int) -> None:

@@ -16,6 +16,9 @@ pytest.importorskip("transformers")
 NEW, PAD = 32, 0
 
 
+pytestmark = pytest.mark.xdist_group("generation_families")  # one worker builds the module's packages once
+
+
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"], ids=["llama", "qwen3"])
 def exported(request, tmp_path_factory):
     name = request.param

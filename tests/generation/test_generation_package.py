@@ -22,6 +22,9 @@ MAX_BATCH, MAX_SEQ = 4, 48
 PAD = 0
 
 
+pytestmark = pytest.mark.xdist_group("generation_package")  # one worker builds the module's packages once
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
