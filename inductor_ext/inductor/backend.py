@@ -9,8 +9,8 @@ On the graph Dynamo hands over (:class:`.recipe.CompileRecipe`, the same recipe 
 2. each fastops op call's route, our kernels or Inductor's code from the op's aten math
    (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
 3. ``compile_fx`` with our Inductor config patches (multi-kernel on by default, compile-time
-   autotuning with ``cpp_wrapper``) and the ``"post_grad"`` passes as Inductor's custom post-grad pass,
-   whose ``uuid`` versions the compile caches by our code, options and route decisions
+   autotuning with ``cpp_wrapper``) and the ``"joint"`` and ``"post_grad"`` passes as Inductor's
+   custom joint-graph and post-grad passes, whose ``uuid`` versions the compile caches by our code, options and route decisions
    (:mod:`.cache_key`), while the op bodies trace the chosen routes, and with the fixes of
    :mod:`inductor_ext._compat` installed for the compile and for the backward's lazy compile (only
    then: stock ``torch.compile`` is untouched).

@@ -2,7 +2,7 @@
 
 Inductor's FX graph cache does not hash registered lowerings, and the AOTAutograd cache does not hash
 the traced op bodies' route decisions: both would serve a graph compiled under other rules. Both hash
-the ``uuid()`` of the post-grad custom pass (:class:`inductor_ext.inductor.pipeline.PostGradPasses`),
+the ``uuid()`` of our joint and post-grad custom passes (:class:`inductor_ext.inductor.pipeline.InductorPasses`),
 which is :func:`cache_key`: the package version, the code of every module that decides what gets traced
 (ops, kernels, passes, route choice, options, tuning) and the compile's own state. The code is hashed
 as its syntax tree without docstrings, so an edit of a comment or a docstring keeps users' caches.

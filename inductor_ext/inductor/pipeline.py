@@ -8,8 +8,11 @@ that one declaration come its backend option (``fastops.<name>``), its environme
 - ``"dynamo"``: the torch-level graph Dynamo hands the ``fastops_inductor`` backend, before AOTAutograd;
 - ``"export"``: the ATen graph of a ``torch.export`` program, before AOTInductor
   (:func:`inductor_ext.export`, ``export_generation``);
+- ``"joint"``: AOTAutograd's joint forward-backward graph of a training compile, before the partitioner
+  splits it (what the forward saves for the backward is decided there), through :class:`InductorPasses`
+  as Inductor's ``joint_custom_post_pass``;
 - ``"post_grad"``: Inductor's post-grad graphs (forward and backward), in the backend and in exports,
-  through :class:`PostGradPasses`, Inductor's ``post_grad_custom_post_pass``.
+  through :class:`InductorPasses` as Inductor's ``post_grad_custom_post_pass``.
 
 Passes register in :mod:`inductor_ext.inductor.passes`, in the order they run.
 """
@@ -23,8 +26,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_ext.inductor.cache_key import cache_key
 
-Stage = Literal["dynamo", "export", "post_grad"]
-STAGES: tuple[Stage, ...] = ("dynamo", "export", "post_grad")
+Stage = Literal["dynamo", "export", "joint", "post_grad"]
+STAGES: tuple[Stage, ...] = ("dynamo", "export", "joint", "post_grad")
+INDUCTOR_SLOTS: dict[Stage, str] = {"joint": "joint_custom_post_pass", "post_grad": "post_grad_custom_post_pass"}
+"""The stages Inductor runs, by the config entry that holds each one's pass."""
 
 
 @dataclasses.dataclass
@@ -40,7 +45,7 @@ class PassContext:
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
     """One registered pass. ``run(graph_module_or_graph, context)``: a ``GraphModule`` in the
-    ``"dynamo"`` and ``"export"`` stages, an ``fx.Graph`` in ``"post_grad"``."""
+    ``"dynamo"`` and ``"export"`` stages, an ``fx.Graph`` in ``"joint"`` and ``"post_grad"``."""
 
     name: str
     stages: tuple[Stage, ...]
@@ -87,16 +92,17 @@ def run_stage(stage: Stage, graph: Any, context: PassContext) -> None:
         graph_pass.run(graph, context)
 
 
-class PostGradPasses(CustomGraphPass):
-    """The ``"post_grad"`` stage as Inductor's ``post_grad_custom_post_pass``, then the user's pass there
-    (torch 2.11 takes one pass per slot). Its ``uuid`` is the compile's cache key
-    (:func:`inductor_ext.inductor.cache_key.cache_key`): Inductor's FX-graph and AOTAutograd caches hash it."""
+class InductorPasses(CustomGraphPass):
+    """A stage that Inductor runs (``"joint"`` or ``"post_grad"``) as its custom pass of that slot
+    (:data:`INDUCTOR_SLOTS`), then the user's pass there (torch 2.11 takes one pass per slot). Its ``uuid``
+    is the compile's cache key (:func:`inductor_ext.inductor.cache_key.cache_key`): Inductor's FX-graph
+    and AOTAutograd caches hash it."""
 
-    def __init__(self, context: PassContext, state: str, chained: Any = None) -> None:
-        self.context, self.state, self.chained = context, state, chained
+    def __init__(self, stage: Stage, context: PassContext, state: str, chained: Any = None) -> None:
+        self.stage, self.context, self.state, self.chained = stage, context, state, chained
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        run_stage("post_grad", graph, self.context)
+        run_stage(self.stage, graph, self.context)
         if self.chained is not None:
             self.chained(graph)
 
@@ -104,4 +110,4 @@ class PostGradPasses(CustomGraphPass):
         chained = None
         if self.chained is not None:
             chained = self.chained.uuid() if isinstance(self.chained, CustomGraphPass) else repr(self.chained)
-        return cache_key(self.state, chained)
+        return cache_key(f"{self.stage}|{self.state}", chained)

@@ -16,7 +16,7 @@ shape throughout (no broadcasting, no promotion). The product with the shortest 
 first: it is the one written; the others read the total in their epilogue, where a wider reduction
 hides the read better. Trees with any other term are left as they are.
 
-It runs in the backend's ``post_grad_custom_post_pass`` (:mod:`.cache_key`) when the
+It runs in the ``"post_grad"`` stage (:mod:`.pipeline`) when the
 ``fastops.accumulate_products`` option is on (the default), on forward and backward graphs alike. The
 rewritten sums count in ``counters["inductor_ext"]["sum_of_products"]``.
 """

@@ -1,6 +1,6 @@
 """One compile's recipe, the same for the ``fastops_inductor`` backend and for exports: parse the options,
 run the registered passes of the graph's stage, plan each fastops call's route, and build Inductor's config
-patches with the ``"post_grad"`` stage installed (:mod:`inductor_ext.inductor.pipeline`)."""
+patches with the ``"joint"`` and ``"post_grad"`` stages installed (:mod:`inductor_ext.inductor.pipeline`)."""
 
 import contextlib
 import dataclasses
@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from inductor_ext import _compat
 from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import BackendOptions, parse_options
-from inductor_ext.inductor.pipeline import PassContext, PostGradPasses, Stage, run_stage
+from inductor_ext.inductor.pipeline import INDUCTOR_SLOTS, InductorPasses, PassContext, Stage, run_stage
 from inductor_ext.library.registration import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 
@@ -55,8 +55,9 @@ class CompileRecipe:
         state = json.dumps(
             {"options": repr(ours), "decisions": sorted(repr(d) for d in planner.decisions.values())}, sort_keys=True
         )
-        user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-        patches["post_grad_custom_post_pass"] = PostGradPasses(context, state, chained=user_pass)
+        for inductor_stage, slot in INDUCTOR_SLOTS.items():
+            user_pass = patches.get(slot, getattr(inductor_config, slot))
+            patches[slot] = InductorPasses(inductor_stage, context, state, chained=user_pass)
         return cls(ours, context, planner, patches)
 
     @contextlib.contextmanager

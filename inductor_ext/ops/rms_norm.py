@@ -58,14 +58,19 @@ def _scale_math(xhat: Tensor, x_dtype: torch.dtype, weight: Tensor | None, offse
     return xhat.to(x_dtype).float() * w_eff
 
 
+def rms_norm_output(x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, casting: str) -> Tensor:
+    """The normalised output from the input and its ``rstd``, as the forward computes it (to the bit):
+    ``y = scale(x * rstd)``. The backend recomputes norm outputs in the backward with it."""
+    y = _scale_math(x.float() * rstd.unsqueeze(-1), x.dtype, weight, offset, casting)
+    return y.to(_out_dtype(x, weight, casting))
+
+
 def rms_norm_fwd_math(
     x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str
 ) -> tuple[Tensor, Tensor]:
     """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    y = _scale_math(xf * rstd.unsqueeze(-1), x.dtype, weight, offset, casting)
-    return y.to(_out_dtype(x, weight, casting)), rstd
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    return rms_norm_output(x, rstd, weight, offset, casting), rstd
 
 
 def _bwd_math_fp32(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float) -> tuple[Tensor, Tensor]:
@@ -365,4 +370,7 @@ def add_rms_norm_ref(
     return rms_norm_ref(h, weight, eps, offset=offset, casting=casting), h
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_family", "add_rms_norm_ref", "rms_norm", "rms_norm_family", "rms_norm_ref"]
+__all__ = [
+    "add_rms_norm", "add_rms_norm_family", "add_rms_norm_ref", "rms_norm", "rms_norm_family", "rms_norm_output",
+    "rms_norm_ref",
+]  # fmt: skip

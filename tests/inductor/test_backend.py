@@ -17,7 +17,7 @@ from torch._inductor.utils import run_and_get_code
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.options import BackendOptions, parse_options
-from inductor_ext.inductor.pipeline import PassContext, PostGradPasses
+from inductor_ext.inductor.pipeline import InductorPasses, PassContext
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
 from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (
@@ -218,17 +218,18 @@ def test_bad_option_through_torch_compile():
         compiled(torch.randn(2, 8))
 
 
-def test_cache_pass_uuid_tracks_state_and_chains_user_pass():
+def test_cache_pass_uuid_tracks_stage_and_state_and_chains_user_pass():
     seen = []
 
-    class UserPass(PostGradPasses):  # any CustomGraphPass
+    class UserPass(InductorPasses):  # any CustomGraphPass
         def __call__(self, graph):
             seen.append(graph)
 
     context = PassContext(BackendOptions())
-    a, b = PostGradPasses(context, "route=auto"), PostGradPasses(context, "route=kernel")
-    assert a.uuid() != b.uuid() and a.uuid() == PostGradPasses(context, "route=auto").uuid()
-    chained = PostGradPasses(context, "route=auto", chained=UserPass(context, "user"))
+    a, b = InductorPasses("post_grad", context, "route=auto"), InductorPasses("post_grad", context, "route=kernel")
+    assert a.uuid() != b.uuid() and a.uuid() == InductorPasses("post_grad", context, "route=auto").uuid()
+    assert InductorPasses("joint", context, "route=auto").uuid() != a.uuid()
+    chained = InductorPasses("post_grad", context, "route=auto", chained=UserPass("post_grad", context, "user"))
     assert chained.uuid() != a.uuid()
     chained(torch.fx.Graph())
     assert len(seen) == 1

@@ -15,7 +15,7 @@ from inductor_ext import models
 from inductor_ext.inductor import passes
 from inductor_ext.inductor.graph_queries import is_call, value
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.recompute import NORM_FORWARDS
+from inductor_ext.inductor.recompute import NORM_FORWARDS, RECOMPUTABLE_OUTPUT
 from tests.hf_spellings import LlamaRMSNorm
 
 H, TOKENS, LAYERS = 64, 32, 2
@@ -74,20 +74,32 @@ def _output_bytes(node: torch.fx.Node) -> int:
 
 @contextlib.contextmanager
 def marked_output_bytes() -> Iterator[dict[str, int]]:
-    """Within, the bytes of the outputs of the calls the backend marks for recomputation, by op name
-    (``rms_norm_fwd``), summed over the graphs compiled."""
+    """Within, the bytes the backend marks for recomputation, by op name, summed over the graphs compiled:
+    the outputs of the marked norm calls (``rms_norm_fwd``: ``y`` and ``rstd``), and the ``y`` of the
+    ``add_rms_norm_fwd`` calls passed through the recomputable-output marker."""
     marked: dict[str, int] = {}
-    mark = passes.mark_recompute
+    mark, mark_fused = passes.mark_recompute, passes.mark_fused_norm_outputs
+
+    def add(name: str, node: torch.fx.Node) -> None:
+        marked[name] = marked.get(name, 0) + _output_bytes(node)
 
     def marking(gm, forwards):
         count = mark(gm, forwards)
         for node in gm.graph.nodes:
             if node.meta.get("recompute") is not None and is_call(node, forwards):
-                marked[node.target._opname] = marked.get(node.target._opname, 0) + _output_bytes(node)
+                add(node.target._opname, node)
+        return count
+
+    def marking_fused(gm):
+        count = mark_fused(gm)
+        for node in gm.graph.nodes:
+            if is_call(node, (RECOMPUTABLE_OUTPUT,)):
+                add("add_rms_norm_fwd", node)
         return count
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(passes, "mark_recompute", marking)
+        patch.setattr(passes, "mark_fused_norm_outputs", marking_fused)
         yield marked
 
 
@@ -125,19 +137,42 @@ def patched_llama():
 
 NORM_BYTES = TOKENS * H * 2 + TOKENS * 4
 """One norm's ``y`` (bf16) and ``rstd`` (fp32)."""
+FUSED_NORM_BYTES = TOKENS * H * 2
+"""One ``add_rms_norm``'s ``y`` (bf16): its ``rstd`` and ``h`` are saved for its own backward anyway."""
 
 
 def test_patched_llama_saves_exactly_the_recomputed_outputs_less_with_the_same_gradients(patched_llama):
     """The backend rewrites the patched model's norms as an unpatched model's: the first layer's input norm
-    (an ``rms_norm`` feeding the q/k/v projections) is marked for recomputation, the norms after residual
-    adds become ``add_rms_norm`` (which is not recomputed: its recompute would need both summands); the final
-    norm feeds the fused loss, no matrix product. The step saves exactly the marked calls' outputs less. The recompute runs the same kernel on the same inputs, so the gradients
-    are equal to the bit."""
+    (an ``rms_norm`` feeding the q/k/v projections) is marked for recomputation; the norms after residual
+    adds become ``add_rms_norm``, and the outputs of those that feed projections (each layer's MLP norm and
+    the second layer's input norm: three) are recomputed from their saved sum and ``rstd``; the final norm
+    feeds the fused loss, no matrix product. The step saves exactly the marked bytes less. The recompute
+    is the forward's own arithmetic on the same inputs, so loss and gradients are equal to the bit."""
     model, ids = patched_llama
     kept_bytes, kept_marked, kept_loss, kept_grads = _saved_bytes_and_grads(model, ids, norms=False)
     recomputed_bytes, marked, loss, grads = _saved_bytes_and_grads(model, ids, norms=True)
-    assert kept_marked == {} and marked == {"rms_norm_fwd": NORM_BYTES}
+    assert kept_marked == {}
+    assert marked == {"rms_norm_fwd": NORM_BYTES, "add_rms_norm_fwd": (2 * LAYERS - 1) * FUSED_NORM_BYTES}
     assert kept_bytes - recomputed_bytes == sum(marked.values())
     assert torch.equal(loss, kept_loss)
     for name, grad in grads.items():
         assert torch.equal(grad, kept_grads[name]), name
+
+
+def test_a_compile_without_backward_drops_the_markers(patched_llama):
+    """Under ``no_grad`` AOTAutograd builds no joint graph: the post-grad stage removes the recomputable-output
+    markers (each would otherwise copy its ``y``), and the logits are the eager model's."""
+    model, ids = patched_llama
+    resolved, resolve = [], passes.resolve_marked_outputs
+
+    def spy(graph):
+        resolved.append((resolve(graph), sum(is_call(node, (RECOMPUTABLE_OUTPUT,)) for node in graph.nodes)))
+        return resolved[-1][0]
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(passes, "resolve_marked_outputs", spy)
+        compiled = torch.compile(model, backend="fastops_inductor")
+        logits = compiled(input_ids=ids).logits
+        want = model(input_ids=ids).logits
+    assert sum(count for count, _ in resolved) == 2 * LAYERS - 1 and all(left == 0 for _, left in resolved)
+    torch.testing.assert_close(logits, want, rtol=0.02, atol=0.02)
