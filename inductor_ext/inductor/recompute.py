@@ -32,6 +32,7 @@ backward does not read them), where a recompute would only add a kernel.
 import functools
 import operator
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from inductor_ext.inductor.graph_queries import is_call, value, with_value
+from inductor_ext.library.sharding import Strategy, register_sharding_rules, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.lora import lora_linear_family, lora_mlp_family, lora_qkv_family
 from inductor_ext.ops.rms_norm import add_rms_norm_family, rms_norm_family, rms_norm_output
@@ -83,6 +85,20 @@ _recomputable_norm_output.register_autograd(lambda ctx, grad: (grad, None, None,
 RECOMPUTABLE_OUTPUT: OpOverload = torch.ops.fastops.recomputable_norm_output.default
 """``fastops::recomputable_norm_output(y, x, rstd, weight, offset, casting) -> y``: ``y`` is
 ``rms_norm_output(x, rstd, weight, offset, casting)``; its gradient passes to ``y`` unchanged."""
+
+
+@sharding_rule(RECOMPUTABLE_OUTPUT)
+def _recomputable_output_sharding(
+    y: Any, x: Any, rstd: Any, weight: Any, offset: float, casting: str
+) -> list[Strategy]:
+    """Token rows (dim 0 of y, x and rstd) sharded, the weight replicated; or everything replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (y, x, rstd, weight)
+    return [replicated(1, inputs), ([Shard(0)], shard_inputs(0, inputs, (True, True, True, False)))]
+
+
+register_sharding_rules()  # the op modules' rules are registered at import of inductor_ext.ops, before this one
 
 
 def mark_recompute(gm: GraphModule, forwards: tuple[OpOverload, ...]) -> int:

@@ -63,6 +63,10 @@ def _cases() -> list[Case]:
         Case("rms_norm_replicated", lambda x, w: F.rms_norm(x, w), lambda: [_n(rows, n), _n(n)], ["R", "R"], ["R"]),
         Case("add_rms_norm_rows", lambda x, r, w: F.add_rms_norm(x, r, w),
              lambda: [_n(rows, n), _n(rows, n), _n(n)], ["S0", "S0", "R"], ["S0", "S0"]),
+        Case("recomputable_norm_output_rows",
+             lambda y, x, rstd, w: torch.ops.fastops.recomputable_norm_output(y, x, rstd, w, 0.0, "llama"),
+             lambda: [_n(rows, n), _n(rows, n), _n(rows), _n(n)], ["S0", "S0", "S0", "R"], ["S0"],
+             constants=(1, 2, 3)),
         Case("layer_norm_rows", lambda x, w, bias: F.layer_norm(x, w, bias),
              lambda: [_n(rows, n), _n(n), _n(n)], ["S0", "R", "R"], ["S0"]),
         Case("layer_norm_no_affine", lambda x: F.layer_norm(x), lambda: [_n(rows, n)], ["S0"], ["S0"]),
@@ -119,7 +123,7 @@ def _cases() -> list[Case]:
 
 CASE_NAMES = [
     "rms_norm_rows", "rms_norm_no_weight", "rms_norm_batch_3d", "rms_norm_gemma", "rms_norm_replicated",
-    "add_rms_norm_rows", "layer_norm_rows", "layer_norm_no_affine", "swiglu_rows", "swiglu_intermediate",
+    "add_rms_norm_rows", "recomputable_norm_output_rows", "layer_norm_rows", "layer_norm_no_affine", "swiglu_rows", "swiglu_intermediate",
     "geglu_rows", "swiglu_packed_rows", "swiglu_packed_last_dim", "rope_batch_shared_table",
     "rope_batch_per_batch_table", "rope_sequence", "rope_sequence_per_batch_table", "rope_sequence_bshd",
     "rope_sequence_position_ids", "rope_batch_position_ids", "rope_heads", "rope_partial_rotary_heads",
