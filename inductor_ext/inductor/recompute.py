@@ -31,8 +31,8 @@ backward does not read them), where a recompute would only add a kernel.
 
 import functools
 import operator
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,11 @@ def _(y: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, 
     return torch.empty_like(y)
 
 
-_recomputable_norm_output.register_autograd(lambda ctx, grad: (grad, None, None, None, None, None))
+def _recomputable_norm_output_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return grad, None, None, None, None, None
+
+
+_recomputable_norm_output.register_autograd(_recomputable_norm_output_backward)
 
 RECOMPUTABLE_OUTPUT: OpOverload = torch.ops.fastops.recomputable_norm_output.default
 """``fastops::recomputable_norm_output(y, x, rstd, weight, offset, casting) -> y``: ``y`` is
@@ -130,7 +134,8 @@ def mark_fused_norm_outputs(gm: GraphModule) -> int:
             call.append(output)
         with graph.inserting_after(h):
             marker = with_value(graph.call_function(RECOMPUTABLE_OUTPUT, (y, h, rstd, weight, offset, casting)))
-        y.replace_all_uses_with(marker, delete_user_cb=lambda user, marker=marker: user is not marker)
+        for user in [user for user in y.users if user is not marker]:
+            user.replace_input_with(y, marker)
         marked += 1
     return marked
 
@@ -146,7 +151,7 @@ def resolve_marked_outputs(graph: Graph) -> int:
     backward = _tangent_dependents(graph)
     position = {node: i for i, node in enumerate(graph.nodes)}
     for marker in markers:
-        y, x, rstd, weight, offset, casting = marker.args
+        y, x, rstd, weight, offset, casting = cast(tuple[Node, Node, Node, Node | None, float, str], marker.args)
         marker.replace_all_uses_with(y)
         graph.erase_node(marker)
         _mark_elementwise_output(y, [x, rstd] if weight is None else [x, rstd, weight])
@@ -229,8 +234,9 @@ def _traced_output(
 def _rebase(graph: Graph, node: Node, rebased: dict[Node, Node]) -> Node:
     """``node`` (``y`` or a view chain from it) taken from the recomputed output instead."""
     if node not in rebased:
-        source = _rebase(graph, node.args[0], rebased)
-        rebased[node] = with_value(graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs)), "val")
+        source = _rebase(graph, cast(Node, node.args[0]), rebased)
+        target = cast(Callable[..., Any], node.target)
+        rebased[node] = with_value(graph.call_function(target, (source, *node.args[1:]), dict(node.kwargs)), "val")
     return rebased[node]
 
 
