@@ -4,6 +4,7 @@ providers built from their axes."""
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -230,6 +231,22 @@ def test_fine_tuning_example_runs_and_learns():
     assert "patched llama: fused LM head + loss True" in proc.stdout
     final = float(proc.stdout.split("final loss ")[1].split()[0])
     assert final < 0.75 * 5.5452  # ln(256) at the start: the counting task is being learned
+
+
+@pytest.mark.slow
+def test_sft_trainer_example_runs_and_learns(tmp_path):
+    """examples/sft_trainer.py on CPU: TRL's SFTTrainer on packed, padding-free rows (eager here, to keep CI
+    short; its default compiles the decoder, which tests/models/test_trainers.py checks)."""
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    script = Path(__file__).resolve().parent.parent / "examples" / "sft_trainer.py"
+    command = [sys.executable, str(script), "--steps", "15", "--no-compile", "--output-dir", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "models.apply: llama" in proc.stdout
+    first, final = (float(x) for x in re.search(r"^loss (\S+) -> (\S+) ", proc.stdout, re.MULTILINE).groups())
+    assert abs(first - 5.5452) < 0.1 and final < 0.8 * first  # from ln(256): the counting task is being learned
 
 
 def test_clock_and_power_are_averaged_over_nvidia_smi_samples():
