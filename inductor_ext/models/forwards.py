@@ -7,6 +7,7 @@ ignored labels and reductions), computed without the logits.
 """
 
 import inspect
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -127,6 +128,29 @@ def check_position_ids(position_ids: Any, tokens: Any) -> None:
             f"position_ids must give one position per token: shape (1 or {batch}, {length}) for inputs of "
             f"{length} tokens in {batch} rows, got {tuple(position_ids.shape)}"
         )
+
+
+def with_class_signature(module: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward(module, **arguments)`` called and inspected as ``type(module).forward``: positional arguments
+    bind by the class forward's parameter order (``forward`` takes its arguments by keyword), and
+    ``inspect.signature`` shows the class forward's parameters, so that callers that read a forward's
+    signature (HF ``Trainer`` keeps only the dataset columns the forward names) see transformers' own."""
+    signature = inspect.signature(type(module).forward)
+    parameters = list(signature.parameters.values())[1:]  # without self
+    positional = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    name = f"{type(module).__name__}.forward"
+
+    def bound_forward(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > len(positional):
+            raise TypeError(f"{name} takes {len(positional)} positional arguments but {len(args)} were given")
+        for parameter, arg in zip(positional, args):
+            if parameter in kwargs:
+                raise TypeError(f"{name} got multiple values for argument {parameter!r}")
+            kwargs[parameter] = arg
+        return forward(module, **kwargs)
+
+    bound_forward.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    return bound_forward
 
 
 def causal_lm_forward(

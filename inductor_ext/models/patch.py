@@ -191,7 +191,7 @@ def apply(
                 "_fastops_mask_only_cache": forwards.mask_only_cache_class(),
                 "_fastops_cache_argument": forwards.decoder_cache_argument(decoder) if decoder is not None else None,
             }
-            if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, **attributes):
+            if _set_forward(patched, "", hf_model, forwards.causal_lm_forward, by_keyword=True, **attributes):
                 report.loss = loss
         else:
             what = "; ".join(
@@ -236,13 +236,18 @@ def _warn(report: PatchReport, what: str, why: str) -> None:
     warnings.warn(f"inductor_ext.models.apply: {what or 'model'}: {why}", PatchWarning, stacklevel=3)
 
 
-def _set_forward(patched: _Patched, name: str, module: torch.nn.Module, forward: Any, **attributes: Any) -> bool:
+def _set_forward(
+    patched: _Patched, name: str, module: torch.nn.Module, forward: Any, *, by_keyword: bool = False, **attributes: Any
+) -> bool:
+    """Give ``module`` (this instance only) ``forward``; ``by_keyword``: a forward that takes the class
+    forward's arguments by keyword, bound and inspected as the class's (:func:`forwards.with_class_signature`)."""
     if "forward" in vars(module):
         _warn(patched.report, name, "its forward is already replaced (e.g. by an accelerate hook): left as it is")
         return False
     for attribute, value in attributes.items():
         setattr(module, attribute, value)
-    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]  # per instance, on purpose
+    bound = forwards.with_class_signature(module, forward) if by_keyword else types.MethodType(forward, module)
+    module.forward = bound  # type: ignore[method-assign]  # per instance, on purpose
     patched.instances.append((module, ("forward", *attributes)))
     return True
 

@@ -378,3 +378,27 @@ def test_bad_calls_raise():
             with pytest.raises(ValueError, match=rf"position_ids must give one position per token: .*got {shape}"):
                 model(**tokens, position_ids=positions)
     models.unapply(model)
+
+
+def test_the_patched_forward_binds_and_shows_the_model_s_own_arguments():
+    """The patched ``forward`` takes its arguments as the model class's does: positionally in the class's order
+    (``model(ids, attention_mask)`` is not taken as labels) and with the class's signature (HF ``Trainer``
+    keeps the dataset columns that signature names); a misuse is refused as Python would."""
+    import inspect
+
+    reference = tiny_model("llama").eval()
+    patched = copy.deepcopy(reference)
+    models.apply(patched)
+    assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
+    ids = torch.randint(0, 256, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded row
+    with torch.no_grad():
+        want = reference(ids, mask).logits
+        got = patched(ids, mask).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="multiple values for argument 'input_ids'"):
+        patched(ids, input_ids=ids)
+    too_many = len(inspect.signature(reference.forward).parameters) + 1
+    with pytest.raises(TypeError, match="positional arguments but"):
+        patched(*([None] * too_many))

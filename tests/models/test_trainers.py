@@ -202,12 +202,6 @@ def test_the_spellings_trainer_and_accelerate_refuse_fail_loudly(tmp_path):
         trainer.train()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="models.apply's forward(input_ids, labels, logits_to_keep, **kwargs) hides position_ids and "
-    "attention_mask from Trainer's signature inspection, so remove_unused_columns drops those dataset columns",
-)
 def test_trainer_keeps_the_dataset_columns_of_a_patched_model(tmp_path):
     """Pre-packed rows (a ``position_ids`` column) through Trainer's defaults, eager: the patched model must
     see the columns the unpatched one sees, and so train with its losses."""
