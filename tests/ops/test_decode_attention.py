@@ -49,7 +49,7 @@ def test_every_config_matches_float64(heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 3, 20], ids=["decode-5-splits", "3-tokens-2-splits", "prompt-1-split"])
+@pytest.mark.parametrize("tokens", [1, 3, 6], ids=["decode-5-splits", "3-tokens-2-splits", "prompt-1-split"])
 def test_matches_float64(dtype, tokens):
     """One token gets many splits of the cache, a prompt one (``splits = max(1, ceil(S / 128) // t)``)."""
     slots = 4 * KEYS_PER_SPLIT + 30

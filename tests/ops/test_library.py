@@ -262,7 +262,7 @@ SHARDED_OPS = [
     for family in ("rms_norm", "add_rms_norm", "layer_norm", "glu", "glu_packed", "rope", "cross_entropy",
                    "fused_linear_cross_entropy")
     for direction in ("fwd", "bwd")
-]  # fmt: skip
+] + ["fastops::recomputable_norm_output"]  # fmt: skip  (the last: the backend's recompute marker)
 
 
 def test_op_files_declare_a_sharding_rule_per_op():
