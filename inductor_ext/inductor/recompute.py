@@ -169,10 +169,10 @@ def resolve_marked_outputs(graph: Graph) -> int:
 
 
 def _mark_elementwise_output(y: Node, sources: list[Node]) -> None:
-    """Mark ``MUST_RECOMPUTE`` the elementwise nodes that compute ``y`` from ``sources`` and nothing else
-    reads (on the Inductor route, the traced math after ``rstd``; on our kernel route, none: ``y`` is the
-    kernel's output). Unmarked, Inductor's common-subexpression pass would merge the recompute inserted
-    for the backward into them, and the partitioner would save ``y`` after all."""
+    """Mark ``MUST_RECOMPUTE`` the elementwise nodes between ``sources`` and ``y`` (on the Inductor route,
+    the traced math after ``rstd``; on our kernel route, none: ``y`` is the kernel's output). Unmarked, the
+    partitioner's common-subexpression pass would merge the recompute inserted for the backward into them,
+    and the partitioner would save ``y`` after all."""
     kept = _ancestors(sources)
     pending = [y]
     while pending:
