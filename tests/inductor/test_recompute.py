@@ -176,3 +176,11 @@ def test_a_compile_without_backward_drops_the_markers(patched_llama):
         want = model(input_ids=ids).logits
     assert sum(count for count, _ in resolved) == 2 * LAYERS - 1 and all(left == 0 for _, left in resolved)
     torch.testing.assert_close(logits, want, rtol=0.02, atol=0.02)
+
+
+def test_the_recomputable_output_marker_passes_opcheck():
+    """The marker is a real op: schema, fake tensor, autograd registration (its gradient passes to ``y``)."""
+    y, x = torch.randn(6, H, requires_grad=True), torch.randn(6, H)
+    rstd, weight = torch.rand(6) + 0.5, torch.randn(H)
+    torch.library.opcheck(RECOMPUTABLE_OUTPUT, (y, x, rstd, weight, 0.0, "llama"))
+    torch.library.opcheck(RECOMPUTABLE_OUTPUT, (y, x, rstd, None, 1.0, "gemma"))
