@@ -171,7 +171,9 @@ def _package_device_type(path: str | Path) -> str:
     raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
 
 
-def load_models(path: str | Path, device: torch.device | str | None = None) -> dict[str, Package]:
+def load_models(
+    path: str | Path, device: torch.device | str | None = None, *, single_threaded: bool = False
+) -> dict[str, Package]:
     """Every model of a package by name (:func:`export` writes one, ``"model"``; a generation package
     more), loaded once each (``torch._inductor.aoti_load_package`` loads them all to return one). A
     package that stores its weights once for all its models (:mod:`inductor_ext.runtime.shared_weights`) has
@@ -179,7 +181,10 @@ def load_models(path: str | Path, device: torch.device | str | None = None) -> d
 
     ``device``: where the models run, of the device type they were compiled for (a CUDA package on
     ``cuda:N``); default, that type's default device. Any other type is refused: the models' code is
-    that device's (a CPU package called with meta tensors crashed the process)."""
+    that device's (a CPU package called with meta tensors crashed the process). ``single_threaded``:
+    AOTInductor's runner without its per-call thread synchronisation (no CUDA event recorded and
+    waited on per call), for a caller that calls each model from one thread at a time; a call can then
+    be captured in a CUDA graph."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"inductor_ext.load: no package at {path}")
@@ -200,7 +205,7 @@ def load_models(path: str | Path, device: torch.device | str | None = None) -> d
         raise ValueError(f"inductor_ext.load: {path} is a corrupt AOTInductor package ({error})") from error
     # the loader takes an index for a CUDA device only (a CPU model refuses any)
     index = -1 if target.index is None or target.type == "cpu" else target.index
-    runners = load_pt2(str(path), device_index=index).aoti_runners
+    runners = load_pt2(str(path), device_index=index, run_single_threaded=single_threaded).aoti_runners
     if not runners:
         raise ValueError(f"inductor_ext.load: {path} holds no AOTInductor model")
     weights = read_weights(path, target)

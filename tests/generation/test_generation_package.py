@@ -210,6 +210,11 @@ def test_bad_generate_arguments_are_refused(model, package, call, message):
         ({"eos_token_id": "foo"}, "eos_token_id must be an int or a list of ints, got 'foo'"),
         ({"eos_token_id": [2, 3.0]}, r"eos_token_id must be an int or a list of ints, got \[2, 3.0\]"),
         ({"pad_token_id": 0.0}, "pad_token_id must be an int, got 0.0"),
+        ({"do_sample": True, "top_k": 2.5}, "top_k must be an int >= 1 or None, got 2.5"),
+        ({"do_sample": True, "temperature": "hot"}, "temperature must be a finite number, got 'hot'"),
+        ({"do_sample": True, "temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"do_sample": "yes"}, "do_sample must be True or False, got 'yes'"),
+        ({"streamer": 1}, r"streamer must have put\(tokens\) and end\(\) methods .*got int"),
     ],
 )
 def test_generate_arguments_of_the_wrong_type_are_named(model, package, arguments, message):
@@ -254,7 +259,7 @@ def test_a_package_without_static_decode_graphs_generates_hf_tokens(model, tmp_p
         model.generation_config.eos_token_id = model.config.eos_token_id
     package = load_generation(path)
     assert package.decode_steps == {}
-    assert package.eos_token_ids.numel() == 0
+    assert package.eos_token_ids == ()
     ids = _prompt(model, 1, 5, seed=4)
     torch.testing.assert_close(package.generate(ids, 8, pad_token_id=PAD), _hf(model, ids, 8, do_sample=False),
                                rtol=0, atol=0)  # fmt: skip
@@ -282,3 +287,27 @@ def test_export_leaves_the_model_in_training_mode(model, tmp_path):
         assert model.training
     finally:
         model.eval()
+
+
+@pytest.mark.parametrize("name", ["input_ids", "attention_mask"])
+def test_a_prompt_on_the_meta_device_is_named(model, package, name):
+    ids = _prompt(model, 1, 4)
+    arguments = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    arguments[name] = arguments[name].to("meta")
+    with pytest.raises(ValueError, match=f"generate: {name} must be on the CPU or on the package's device type 'cpu'"):
+        package.generate(arguments.pop("input_ids"), 2, **arguments)
+
+
+def test_generate_is_repeatable_across_batch_sizes_and_settings(model, package):
+    """The decode loop keeps per-batch state between calls: calls at other batches and settings in between
+    change nothing (greedy, sampled with a seed, and with end tokens)."""
+    ids = _prompt(model, 2, 6)
+    greedy = package.generate(ids, 7, pad_token_id=PAD)
+    torch.manual_seed(3)
+    sampled = package.generate(ids, 7, do_sample=True, temperature=0.7, top_k=5, pad_token_id=PAD)
+    package.generate(_prompt(model, 3, 9), 5, pad_token_id=PAD, eos_token_id=int(greedy[0, 7]))
+    package.generate(ids[:1], 4, do_sample=True, top_k=None, pad_token_id=PAD)
+    torch.testing.assert_close(package.generate(ids, 7, pad_token_id=PAD), greedy, rtol=0, atol=0)
+    torch.manual_seed(3)
+    again = package.generate(ids, 7, do_sample=True, temperature=0.7, top_k=5, pad_token_id=PAD)
+    torch.testing.assert_close(again, sampled, rtol=0, atol=0)

@@ -65,6 +65,52 @@ def test_float32_package_generates_hf_tokens(float32_package):
     torch.testing.assert_close(ours, _hf(model, ids, 16, attention_mask=mask), rtol=0, atol=0)
 
 
+class _Kept:
+    """A streamer keeping what ``generate`` hands it."""
+
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.append(value.cpu())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # 1: the static decode graph captured; 3: the dynamic graph captured
+def test_replayed_decode_steps_give_hf_samples_end_tokens_and_stream(float32_package, batch):
+    """The Python loop replays each decode step as a CUDA graph (token choice and input updates inside):
+    seeded samples, rows that stop at an end token (the loop reading the stop flag steps behind), a
+    left-padded row and a streamer give transformers' results, on repeated calls too."""
+    model, path = float32_package
+    package = load_generation(path)
+    ids = _prompt(batch, 21, seed=4)
+    mask = torch.ones_like(ids)
+    mask[-1, :5] = 0
+    for seed in (0, 1):  # the second call replays the graphs the first one captured
+        sampled = {"do_sample": True, "temperature": 0.7, "top_k": 20, "attention_mask": mask}
+        torch.manual_seed(seed)
+        ours = package.generate(ids, 20, pad_token_id=PAD, **sampled)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            theirs = model.generate(ids, max_new_tokens=20, pad_token_id=PAD, **sampled)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert any(key[0] == batch for key in package._loop._graphs), "no decode graph was captured"
+    free = _hf(model, ids, 20, attention_mask=mask)
+    for at in (0, 2, 11):  # row 0 ends with its first token, its third, its twelfth; the others run on or end too
+        eos = int(free[0, 21 + at])
+        ours = package.generate(ids, 20, attention_mask=mask, pad_token_id=PAD, eos_token_id=eos)
+        torch.testing.assert_close(ours, _hf(model, ids, 20, attention_mask=mask, eos_token_id=eos), rtol=0, atol=0)
+    eos = int(free[-1, 21 + 6])
+    kept, theirs = _Kept(), _Kept()
+    package.generate(ids, 20, attention_mask=mask, pad_token_id=PAD, eos_token_id=eos, streamer=kept)
+    _hf(model, ids, 20, attention_mask=mask, eos_token_id=eos, streamer=theirs)
+    assert kept.ended and theirs.ended and len(kept.tokens) == len(theirs.tokens)
+    for got, want in zip(kept.tokens, theirs.tokens):
+        torch.testing.assert_close(got.reshape(want.shape), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["launches", "cuda_graph"])
 @pytest.mark.parametrize("batch", [3, 1])  # batch 1: the static decode graph, captured in the CUDA graph
 def test_cpp_loop_generates_the_python_loops_tokens(float32_package, cuda_graph, batch):

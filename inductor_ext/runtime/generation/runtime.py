@@ -3,29 +3,38 @@ transformers' ``generate`` does, greedy or sampled, with the KV cache owned here
 
 The loop, per call of :meth:`GenerationPackage.generate`: one prefill call with the prompt (its
 ``position_ids`` count only the real tokens of a left-padded row, as ``generate`` computes them), then
-one decode call per new token (with the package's static decode graph for the batch size, if it has one). A row that emits an end-of-sequence token is finished; its later
-tokens are the pad token; the loop stops when every row is finished or after ``max_new_tokens``.
-Sampling applies temperature, then top-k, then draws from the softmax with ``torch.multinomial``,
-in transformers' order: with the same ``torch.manual_seed`` and the same logits, the same tokens.
+one decode step per new token (:mod:`inductor_ext.runtime.generation.decode_loop`: the package's static
+decode graph for the batch size if it has one, the token choice and the next step's inputs, replayed as
+one CUDA graph on a GPU). A row that emits an end-of-sequence token is finished; its later tokens are the
+pad token; the loop stops when every row is finished or after ``max_new_tokens``. Sampling applies
+temperature, then top-k, then draws from the softmax with ``torch.multinomial``, in transformers' order:
+with the same ``torch.manual_seed`` and the same logits, the same tokens.
 """
 
+import math
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from inductor_ext.runtime.export import load_models
+from inductor_ext.runtime.export import Package, load_models
 from inductor_ext.runtime.generation.cache_layout import layer_caches
+from inductor_ext.runtime.generation.decode_loop import DecodeLoop, DecodeState, TokenChoice
 from inductor_ext.runtime.generation.metadata import decode, decode_graph_name
 
 
 class GenerationPackage:
     """A loaded generation package; :meth:`generate` is its entry point. ``device``: where it runs, of
-    the device type it was exported for (a CUDA package on ``cuda:N``); default, that type's default."""
+    the device type it was exported for (a CUDA package on ``cuda:N``); default, that type's default.
+
+    The package owns one KV cache, so it generates for one call at a time: calls from several threads
+    wait for each other. Its graphs are loaded single-threaded (AOTInductor's per-call synchronisation
+    off), which CUDA graph capture needs."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None) -> None:
-        models = load_models(path, device)
+        models = load_models(path, device, single_threaded=True)
         found = decode(models["model"].get_metadata()) if "model" in models else {}
         if not found:
             raise ValueError(f"load_generation: {path} is not a generation package (export_generation writes one)")
@@ -38,12 +47,25 @@ class GenerationPackage:
         self.max_seq_len = int(found["max_seq_len"])
         self.vocab_size = int(found["vocab_size"])
         self.pad_token_id = int(found["pad_token_id"]) if found["pad_token_id"] else None
-        eos = [int(e) for e in found["eos_token_ids"].split(",") if e]
-        self.eos_token_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        self.eos_token_ids = tuple(int(e) for e in found["eos_token_ids"].split(",") if e)
+        """The model's end-of-sequence tokens (``generate``'s ``eos_token_id`` replaces them)."""
         shape = [int(n) for n in found["kv_cache_shape"].split(",")]
         self.kv_cache = torch.zeros(shape, dtype=getattr(torch, found["dtype"]), device=self.device)
         self._slots = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long, device=self.device)
         self._cache_positions = torch.arange(self.max_seq_len, device=self.device)  # sliced per call: no copies
+        self._states: dict[int, DecodeState] = {}
+        self._loop = DecodeLoop(self._decode_graph, cuda_graphs=self.device.type == "cuda")
+        self._lock = threading.Lock()
+
+    def _decode_graph(self, batch: int) -> Package:
+        return self.decode_steps.get(batch, self.step)
+
+    def _state(self, batch: int) -> DecodeState:
+        """The decode loop's tensors for ``batch`` rows, at the same addresses on every call (graphs read them)."""
+        if batch not in self._states:
+            cache = layer_caches(self.kv_cache, batch)
+            self._states[batch] = DecodeState(batch, self.max_seq_len, self._slots[:batch], cache)
+        return self._states[batch]
 
     def _check(
         self,
@@ -55,6 +77,12 @@ class GenerationPackage:
     ) -> None:
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("generate: input_ids must be an int64 tensor of shape (batch, prompt length)")
+        for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            if isinstance(tensor, Tensor) and tensor.device.type not in ("cpu", self.device.type):
+                raise ValueError(
+                    f"generate: {name} must be on the CPU or on the package's device type "
+                    f"{self.device.type!r}, got a tensor on {tensor.device}"
+                )
         batch, length = input_ids.shape
         if not 1 <= batch <= self.max_batch_size:
             raise ValueError(
@@ -126,57 +154,59 @@ class GenerationPackage:
         ``TextStreamer``) gets what ``generate`` gives it: ``put`` of the prompt, then of each new token
         (on the CPU: a host sync per token), and ``end``."""
         self._check(input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id)
-        if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
-            raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
+        _check_choice(do_sample, temperature, top_k, streamer)
+        eos = self.eos_token_ids if eos_token_id is None else eos_token_id
+        choice = TokenChoice(
+            do_sample=do_sample,
+            temperature=float(temperature),
+            top_k=top_k,
+            pad_token_id=self.pad_token_id if pad_token_id is None else pad_token_id,
+            eos_token_ids=tuple([eos] if isinstance(eos, int) else eos),
+        )
+        with self._lock:
+            return self._generate(input_ids, max_new_tokens, attention_mask, choice, streamer)
+
+    def _generate(
+        self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None, choice: TokenChoice, streamer: Any
+    ) -> Tensor:
         batch, length = input_ids.shape
         input_ids = input_ids.to(self.device).contiguous()  # e.g. a slice ids[:, :n]: the package reads it dense
         if streamer is not None:
             streamer.put(input_ids.cpu())
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device, torch.long)
-        slots, cache = self._slots[:batch], layer_caches(self.kv_cache, batch)
-        slots.zero_()
-        slots[:, :length] = mask
+        state = self._state(batch)
+        state.slots.zero_()
+        state.slots[:, :length] = mask
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        logits = self.step(input_ids, positions, self._cache_positions[:length], slots, cache)
-        decode_step = self.decode_steps.get(batch, self.step)
-        next_position = positions[:, -1:] + 1
-        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
-        eos = self.eos_token_ids
-        if eos_token_id is not None:
-            eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-            eos = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
-        pad = self.pad_token_id if pad_token_id is None else pad_token_id
-        generated = []
-        for index in range(max_new_tokens):
-            token = self._choose(logits, do_sample, temperature, top_k)
-            if pad is not None:
-                token = torch.where(unfinished, token, pad)
-            generated.append(token)
-            if streamer is not None:
-                streamer.put(token.cpu())
-            if index + 1 == max_new_tokens:
-                break
-            if eos.numel():  # a host sync per token, only where a row can end early
-                unfinished &= ~torch.isin(token, eos)
-                if not bool(unfinished.any()):
-                    break
-            slot = length + index
-            slots[:, slot] = 1
-            logits = decode_step(token[:, None], next_position, self._cache_positions[slot : slot + 1], slots, cache)
-            next_position = next_position + 1
+        logits = self.step(input_ids, positions, self._cache_positions[:length], state.slots, state.cache)
+        state.start(positions, length)
+
+        def on_token(made: int) -> None:
+            streamer.put(state.generated[:, made - 1].cpu())
+
+        made = self._loop.generate(state, choice, logits, max_new_tokens, None if streamer is None else on_token)
         if streamer is not None:
             streamer.end()
-        return torch.cat([input_ids, torch.stack(generated, dim=1)], dim=1)
+        return torch.cat([input_ids, state.generated[:, :made]], dim=1)
 
-    @staticmethod
-    def _choose(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None) -> Tensor:
-        if not do_sample:
-            return logits.argmax(dim=-1)
-        logits = logits / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+def _check_choice(do_sample: Any, temperature: Any, top_k: Any, streamer: Any) -> None:
+    """``generate``'s token-choice arguments, checked as transformers' ``GenerationConfig`` checks them."""
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"generate: do_sample must be True or False, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        raise TypeError(f"generate: temperature must be a finite number, got {temperature!r}")
+    if top_k is not None and not _is_int(top_k):
+        raise TypeError(f"generate: top_k must be an int >= 1 or None, got {top_k!r}")
+    if do_sample and (temperature <= 0 or (top_k is not None and top_k < 1)):
+        raise ValueError(f"generate: temperature must be > 0 and top_k >= 1, got {temperature}, {top_k}")
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
+        raise TypeError(
+            f"generate: streamer must have put(tokens) and end() methods (as transformers' TextStreamer), "
+            f"got {type(streamer).__name__}"
+        )
 
 
 def _is_int(value: Any) -> bool:
