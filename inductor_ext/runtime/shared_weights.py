@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.export.pt2_archive._package import PT2ArchiveReader, PT2ArchiveWriter, _package_aoti_files
 
-from inductor_ext.runtime.tensor_file import decode_tensors, encode_tensors
+from inductor_ext.runtime.tensor_file import decode_tensors, encoded_buffer
 
 WEIGHTS = "inductor_ext/weights"
 NAMES = "inductor_ext/weight_names"
@@ -48,7 +48,11 @@ def write_package(
         _package_aoti_files(writer, models)
         if weights is not None:
             tensors, names = weights
-            writer.write_bytes(WEIGHTS, encode_tensors(tensors))
+            buffer = encoded_buffer(tensors)
+            # from the buffer's storage: write_bytes would take a copy as bytes (2.5 GB for a 1B model); the
+            # binding takes an UntypedStorage, which its type stub does not name
+            storage: Any = buffer.untyped_storage()
+            writer.archive_file.write_record(WEIGHTS, storage, buffer.numel())
             writer.write_string(NAMES, "\n".join(" ".join(aliases) for aliases in names))
     return path
 

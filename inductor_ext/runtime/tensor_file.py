@@ -20,15 +20,28 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 
 def encode_tensors(tensors: Sequence[torch.Tensor]) -> bytes:
     """``tensors`` in the tensor file format."""
-    chunks = [MAGIC, struct.pack("<I", len(tensors))]
+    return encoded_buffer(tensors).numpy().tobytes()
+
+
+def encoded_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` in the tensor file format, as one CPU ``uint8`` tensor: each tensor is copied once, from
+    its device straight into its place (a package's weights are written from it without another copy)."""
+    headers = [MAGIC + struct.pack("<I", len(tensors))]
     for i, t in enumerate(tensors):
         if t.dtype not in DTYPES:
             raise TypeError(f"tensor file: tensor {i} has dtype {t.dtype}; supported: {[str(d) for d in DTYPES]}")
-        t = t.detach().to("cpu").contiguous()
-        chunks.append(struct.pack("<II", DTYPES.index(t.dtype), t.dim()))
-        chunks.append(struct.pack(f"<{t.dim()}q", *t.shape))
-        chunks.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return b"".join(chunks)
+        headers.append(struct.pack(f"<II{t.dim()}q", DTYPES.index(t.dtype), t.dim(), *t.shape))
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    buffer = torch.empty(sum(map(len, headers)) + sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for header, tensor, size in zip(headers, [None, *tensors], [0, *sizes]):
+        buffer[offset : offset + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        offset += len(header)
+        if tensor is not None and size:
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + size].copy_(data)
+            offset += size
+    return buffer
 
 
 def decode_tensors(data: bytes, source: str, device: torch.device | str = "cpu") -> list[torch.Tensor]:
