@@ -45,11 +45,12 @@ TOOLS = {
     "projections": "benchmarks.projections",
     "optimizer": "benchmarks.optimizer",
     "kernel_table": "benchmarks.kernel_table",
+    "export_time": "benchmarks.export_time",
 }
 """Developer tools, each with its own ``main(argv)``: our kernels' compile cost for sm_90 on a CPU host
 (no GPU needed), a compile-time A/B of an environment variable, a sampling profile of a compile, the
 host cost of Dynamo's guards per guard filter (CPU), a layer's projections fused or separate (GPU),
-PyTorch's AdamW steps against their floor (GPU)."""
+PyTorch's AdamW steps against their floor (GPU), where ``export_generation`` spends its time."""
 
 
 def main(argv: list[str] | None = None) -> int:
