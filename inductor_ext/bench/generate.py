@@ -20,12 +20,15 @@ Providers:
   ``attention="folded_sdpa"`` or ``"decode_attention"`` (:mod:`inductor_ext.runtime.generation.attention`).
 
 Each provider generates greedily from a random ``(batch, --prompt)`` prompt, with no end token (the
-weights are random), ``--new`` + 1 tokens per ``generate``. A streamer clocks each call (``generate``
-hands it each token on the CPU, as to any streamer: a host sync per token, for every Python-loop
-provider alike): prefill time is the time to the first token, decode time per token the time from
-the first token to the last over ``--new``; medians over ``--repeats`` calls after a warm-up. The C++
-loop reports its own. The floor of a decode step is the bytes it must read, the
-weights plus the filled part of the KV cache, over the copy bandwidth measured in the same process.
+weights are random). Python-loop providers are clocked from the host with the device synchronised:
+``T(n)``, the median over ``--repeats`` calls of ``generate`` for ``n`` new tokens after a warm-up; the
+prefill time is ``T(1)`` (the prompt and the first token), the decode time per token
+``(T(--new + 1) - T(1)) / --new``. The C++ loop reports its own: the prefill call, then the time of
+the decode calls (with their token choices) per call. The package
+providers that export alike (``package_python`` and ``package_cpp``) share one export, made by the first
+of them to run, and report its seconds (``export_s``, cold compile caches: each provider runs in a fresh
+process with empty ones). The floor of a decode step is the bytes it must read, the weights plus the
+filled part of the KV cache, over the copy bandwidth measured in the same process.
 On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
 per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
 launch and host gaps (wall time above GPU time) from slow kernels.
@@ -34,6 +37,8 @@ Writes ``generate_<model>.json`` and a plot to ``--out``.
 
 import argparse
 import functools
+import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -66,31 +71,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class _Clock:
-    """A ``generate`` streamer that notes when each ``put`` (the prompt, then every new token) arrives."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, _value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+def _generate_ms(generate: Callable[..., Any], prompt: torch.Tensor, new: int, device: str, repeats: int) -> float:
+    """The median over ``repeats`` calls of the wall time of ``generate`` for ``new`` tokens, synchronised."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        generate(prompt, new)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def _prefill_and_decode_ms(generate: Callable[..., Any], prompt: torch.Tensor, new: int, device: str,
                            repeats: int) -> tuple[float, float]:  # fmt: skip
-    """Medians over ``repeats`` calls generating ``new + 1`` tokens: ms to the first token, and ms per token after it."""
-    prefill, decode = [], []
-    for _ in range(repeats):
-        _sync(device)
-        clock, start = _Clock(), time.perf_counter()
-        generate(prompt, new + 1, streamer=clock)
-        first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt, handed over before the prefill
-        prefill.append((first - start) * 1e3)
-        decode.append((last - first) * 1e3 / new)
-    return statistics.median(prefill), statistics.median(decode)
+    """ms to the first token (the prefill and its token choice), and ms per token after it."""
+    first = _generate_ms(generate, prompt, 1, device, repeats)
+    whole = _generate_ms(generate, prompt, new + 1, device, repeats)
+    return first, (whole - first) / new
 
 
 def _hf_generate(model: Any, provider: str) -> Callable[..., Any]:
@@ -105,10 +103,10 @@ def _hf_generate(model: Any, provider: str) -> Callable[..., Any]:
         config._compile_all_devices = True  # type: ignore[assignment]  # compiles on CPU too (a smoke run)
         model.generation_config.compile_config = config
 
-    def generate(ids: torch.Tensor, new: int, streamer: Any = None) -> Any:
+    def generate(ids: torch.Tensor, new: int) -> Any:
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, cache_implementation="static", streamer=streamer,
+                                  do_sample=False, cache_implementation="static",
                                   disable_compile=provider == "hf_eager")  # fmt: skip
 
     return generate
@@ -125,6 +123,26 @@ def decode_profile(generate: Callable[..., Any], prompt: torch.Tensor, new: int)
             "top_kernels_us": [[name[:120], round(us, 2)] for name, us in top]}  # fmt: skip
 
 
+def _export_settings(provider: str) -> dict[str, Any]:
+    """``export_generation``'s arguments for a package provider (those with equal settings share an export)."""
+    frozen = provider.endswith("_frozen")
+    return {"options": {"freezing": True} if frozen else None, "attention": ATTENTION.get(provider, "sdpa"),
+            "decode_batch_sizes": () if frozen or provider.endswith("_dynamic") else (1,)}  # fmt: skip
+
+
+def _shared_export(model: Any, provider: str, args: argparse.Namespace, max_seq: int) -> tuple[Path, float]:
+    """The package for ``provider`` in ``args.packages`` (exported now unless a provider with the same
+    settings exported it) and the seconds its export took."""
+    settings = _export_settings(provider)
+    name = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path, seconds = args.packages / f"{name}.pt2", args.packages / f"{name}.export_s"
+    if not path.exists():
+        start = time.perf_counter()
+        inductor_ext.export_generation(model, path, max_batch_size=max(args.batches), max_seq_len=max_seq, **settings)
+        seconds.write_text(str(time.perf_counter() - start))
+    return path, float(seconds.read_text())
+
+
 def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     """This process's measurements for ``args.worker``: per batch size, prefill and decode ms."""
     device, provider = args.device, args.worker
@@ -136,41 +154,34 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     result: dict[str, Any] = {"weight_bytes": weights, "copy_gbps": copy_bandwidth_gbps() if device == "cuda" else None}
     max_seq = args.prompt + args.new + 1
-    with tempfile.TemporaryDirectory() as folder:
-        if provider.startswith("package_"):
-            start = time.perf_counter()
-            options = {"freezing": True} if provider.endswith("_frozen") else None
-            static = () if provider.endswith(("_frozen", "_dynamic")) else (1,)
-            path = inductor_ext.export_generation(model, Path(folder) / "model.pt2", max_batch_size=max(args.batches),
-                                     max_seq_len=max_seq, options=options, decode_batch_sizes=static,
-                                     attention=ATTENTION.get(provider, "sdpa"))  # fmt: skip
-            result["export_s"] = time.perf_counter() - start
-            generate: Callable[..., Any] = inductor_ext.load_generation(path).generate
-        else:
-            generate = _hf_generate(model, provider)
-        for batch in args.batches:
-            ids = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
-            if provider.startswith("package_cpp"):
-                from inductor_ext.runtime.cpp_runner import run_generate
+    if provider.startswith("package_"):
+        path, result["export_s"] = _shared_export(model, provider, args, max_seq)
+        generate: Callable[..., Any] = inductor_ext.load_generation(path).generate
+    else:
+        generate = _hf_generate(model, provider)
+    for batch in args.batches:
+        ids = torch.randint(0, vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+        if provider.startswith("package_cpp"):
+            from inductor_ext.runtime.cpp_runner import run_generate
 
-                ran = run_generate(path, ids, args.new, device=device, cuda_graph=device == "cuda",
-                                   iters=args.repeats + 1)  # fmt: skip
-                prefill_ms, decode_ms = ran.prefill_ms, ran.decode_ms_per_token
-            else:
-                prompt = ids.to(device)
-                generate(prompt, args.new + 1)  # warm-up (and compiles)
-                prefill_ms, decode_ms = _prefill_and_decode_ms(generate, prompt, args.new, device, args.repeats)
-            config: Any = model.config
-            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            filled = args.prompt + args.new // 2  # the cache's mean filled length over the decode steps
-            kv_bytes = batch * config.num_hidden_layers * 2 * kv_heads * head_dim * filled * model.dtype.itemsize
-            floor_ms = (weights + kv_bytes) / (result["copy_gbps"] * 1e9) * 1e3 if result["copy_gbps"] else None
-            result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
-                                        "floor_ms": floor_ms,
-                                        "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
-            if device == "cuda" and not provider.startswith("package_cpp") and batch == args.batches[0]:
-                result[f"batch_{batch}"]["profile"] = decode_profile(generate, prompt, args.new)
+            ran = run_generate(path, ids, args.new, device=device, cuda_graph=device == "cuda",
+                               iters=args.repeats + 1)  # fmt: skip
+            prefill_ms, decode_ms = ran.prefill_ms, ran.decode_ms_per_token
+        else:
+            prompt = ids.to(device)
+            generate(prompt, args.new + 1)  # warm-up (and compiles)
+            prefill_ms, decode_ms = _prefill_and_decode_ms(generate, prompt, args.new, device, args.repeats)
+        config: Any = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        filled = args.prompt + args.new // 2  # the cache's mean filled length over the decode steps
+        kv_bytes = batch * config.num_hidden_layers * 2 * kv_heads * head_dim * filled * model.dtype.itemsize
+        floor_ms = (weights + kv_bytes) / (result["copy_gbps"] * 1e9) * 1e3 if result["copy_gbps"] else None
+        result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
+                                    "floor_ms": floor_ms,
+                                    "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
+        if device == "cuda" and not provider.startswith("package_cpp") and batch == args.batches[0]:
+            result[f"batch_{batch}"]["profile"] = decode_profile(generate, prompt, args.new)
     return result
 
 
@@ -187,6 +198,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="cuda (the benchmark), or cpu: a smoke run (e.g. --model tiny-llama), timings meaningless")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
     parser.add_argument("--worker", choices=PROVIDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--packages", type=Path, help=argparse.SUPPRESS)  # the run's exports, shared by workers
     args = parser.parse_args(argv)
     if min(args.prompt, args.new, args.repeats, *args.batches) < 1:
         parser.error("--prompt, --new, --repeats and --batches must be >= 1")
@@ -197,7 +209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _worker_command(args: argparse.Namespace, provider: str) -> list[str]:
     flags = ["--model", args.model, "--prompt", args.prompt, "--new", args.new, "--repeats", args.repeats,
-             "--device", args.device, "--worker", provider, "--batches", *args.batches]  # fmt: skip
+             "--device", args.device, "--worker", provider, "--packages", args.packages,
+             "--batches", *args.batches]  # fmt: skip
     return [sys.executable, "-m", "inductor_ext.bench", "generate", *map(str, flags)]
 
 
@@ -214,6 +227,7 @@ def rows(results: Mapping[str, Mapping[str, Any]], batches: list[int]) -> list[d
                 "tokens/s": round(batch * 1e3 / r["decode_ms_per_token"]),
                 "x hf_compile": round(reference["decode_ms_per_token"] / r["decode_ms_per_token"], 3) if reference else None,
                 "of floor": round(r["of_floor"], 3) if r["of_floor"] else None,
+                "export s": round(result["export_s"], 1) if "export_s" in result else None,
             })  # fmt: skip
     return table
 
@@ -241,18 +255,23 @@ def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
     from tabulate import tabulate
 
     args = parse(argv)
     if args.worker:
-        print_child_result(run_provider(args))
+        if args.packages is None:  # a worker run by hand: its export is its own
+            with tempfile.TemporaryDirectory() as packages:
+                args.packages = Path(packages)
+                print_child_result(run_provider(args))
+        else:
+            print_child_result(run_provider(args))
         return 0
     results = {}
-    for provider in args.providers:
-        print(f"{provider} ...", flush=True)
-        results[provider] = run_child(_worker_command(args, provider), {})
+    with tempfile.TemporaryDirectory() as packages:
+        args.packages = Path(packages)
+        for provider in args.providers:
+            print(f"{provider} ...", flush=True)
+            results[provider] = run_child(_worker_command(args, provider), {})
     table = rows(results, args.batches)
     print(tabulate(table, headers="keys"))
     args.out.mkdir(parents=True, exist_ok=True)

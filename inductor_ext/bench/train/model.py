@@ -13,6 +13,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True},
+    "qwen2.5-1.5b-16l": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 16,
+                             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                             "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": True},
     "mistral-7b-4l": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4,
                           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768, "rms_norm_eps": 1e-5,
                           "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None},
@@ -26,7 +29,8 @@ MODELS: dict[str, dict[str, Any]] = {
                        "tie_word_embeddings": True, "max_position_embeddings": 512},
 }  # fmt: skip
 """Model shapes by name: a transformers config's fields (``model_type`` picks the class). The real
-models' shapes (Llama-3.2-1B, Qwen3-0.6B, Mistral-7B's first 4 layers, Llama-3.1-8B) and tiny ones for
+models' shapes (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-1.5B's first 16 layers, Mistral-7B's first 4 layers,
+Llama-3.1-8B) and tiny ones for
 CPU tests (a Qwen3 with per-head q/k norms and a head_dim that is not hidden / heads)."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
