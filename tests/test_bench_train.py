@@ -57,6 +57,16 @@ def test_train_benchmark_runs_each_provider_on_the_same_weights_and_batches(tmp_
     assert all(r["tokens_per_s"] > 0 and r["first_step_s"] > 0 for r in results.values())
     assert all(r["tokens_per_s_unsynced"] > 0 and r["step_ms_unsynced"] > 0 for r in results.values())
     assert "fastops_inductor" in stdout and "x torch.compile" in stdout
+    # the first step's compile, split: nothing compiled in eager; Dynamo, AOTAutograd, Inductor and our
+    # passes (the backend's providers) within the first step's seconds
+    assert results["hf_eager"]["first_step_compile_s"]["inductor"] == 0
+    for name in compiled:
+        split = results[name]["first_step_compile_s"]
+        assert all(split[phase] > 0 for phase in ("dynamo", "aot_autograd", "inductor")), split
+        assert split["dynamo"] + split["aot_autograd"] + split["inductor"] <= results[name]["first_step_s"]
+        if PRESETS[name].compile_arguments().get("backend") == "fastops_inductor":
+            assert "patterns" in split["passes"], split
+    assert "first step's compile (s): dynamo" in stdout
 
 
 def test_rounds_reverse_the_order_and_pool_every_rounds_steps(tmp_path):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, dynamo_timed
 from torch._ops import OpOverload
 
 from inductor_ext import _compat
@@ -44,6 +44,11 @@ from inductor_ext.tuning.kernel_configs import records as kernel_records
 from inductor_ext.tuning.timing import median_ms, meta_templates, signature
 
 log = logging.getLogger(__name__)
+
+
+ROUTE_TIMER = "fastops.route_timing"
+"""The compile timer (``torch._dynamo.utils.compilation_time_metrics``) of the routes measured: our kernels
+(their launch configs tuned) against Inductor's code, per call not in the tuning database."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +185,8 @@ def _decide_here(
     if stored is not None:
         decisions = [dataclasses.replace(RouteDecision(**entry), reason="database") for entry in stored["decisions"]]
         return {"decisions": [dataclasses.asdict(d) for d in decisions], "configs": {}}
-    decisions = measure_routes(family, args, options, device)
+    with dynamo_timed(ROUTE_TIMER):
+        decisions = measure_routes(family, args, options, device)
     # every kernel config picked so far in this process (the timing's included)
     configs = kernel_records(tuned_launch_configs(), device_name(device))
     entries = [dataclasses.asdict(d) for d in decisions]

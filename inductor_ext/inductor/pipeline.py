@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any, Literal
 
 import torch
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_ext.inductor.cache_key import cache_key
@@ -86,10 +87,16 @@ def passes_of(stage: Stage, enabled: Collection[str]) -> Iterator[GraphPass]:
     return (p for p in PASSES.values() if stage in p.stages and p.name in enabled)
 
 
+PASS_TIMER_PREFIX = "fastops.pass."
+"""Each pass's run is timed under ``PASS_TIMER_PREFIX + name`` among Inductor's compile timers
+(``torch._dynamo.utils.compilation_time_metrics``; ``bench train`` reports them per first step)."""
+
+
 def run_stage(stage: Stage, graph: Any, context: PassContext) -> None:
     """Run every enabled pass of ``stage`` on ``graph``, in order."""
     for graph_pass in passes_of(stage, context.options.passes):
-        graph_pass.run(graph, context)
+        with dynamo_timed(PASS_TIMER_PREFIX + graph_pass.name):
+            graph_pass.run(graph, context)
 
 
 class InductorPasses(CustomGraphPass):

@@ -5,7 +5,8 @@ The model is built from a config in ``MODELS`` (random init, bf16 weights, no do
 provider trains it in its own fresh process (no compiled code, patched class or allocator state carried
 over) on the same seeded weights and batches, with AdamW. Per provider: tokens/s (median over ``--steps``
 timed steps after warm-up, wall clock), peak memory over those steps, the first step's seconds (compile
-included), the final loss next to the eager reference's, and one profiled step's GPU time per kernel
+included) and its compile's split (Dynamo, AOTAutograd, Inductor, route timing, each of our passes:
+:mod:`inductor_ext.bench.compile_split`), the final loss next to the eager reference's, and one profiled step's GPU time per kernel
 category (GEMMs, attention, optimizer, everything else), busy and idle, and each phase's peak memory.
 Writes ``train_<model>_<batch>x<seq>[suffixes].json`` and a ``.png`` under ``--out`` and prints a table.
 
@@ -254,6 +255,11 @@ def _print_headline(result: dict[str, Any]) -> None:
     if "real_tokens_per_s" in result:
         speed = f"{result['real_tokens_per_s']:,.0f} real tokens/s ({speed})"
     print(f"{speed}{peak}, first step {result['first_step_s']:.1f} s", flush=True)
+    split = result.get("first_step_compile_s")
+    if split and split["inductor"] > 0:  # a compiled provider
+        phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in split.items() if name != "passes")
+        passes = ", ".join(f"{name} {seconds:.2f}" for name, seconds in split["passes"].items())
+        print(f"  first step's compile (s): {phases}; our passes: {passes or 'none'}", flush=True)
 
 
 def _version(package: str) -> str | None:

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from inductor_ext.bench import fsdp, packing
+from inductor_ext.bench.compile_split import compile_split, timer_seconds
 from inductor_ext.bench.harness import ClockSampler, gpu_timeline, kernel_us_by_class
 from inductor_ext.bench.train.model import MODELS, add_lora, apply_liger, build_model, config_for, enable_checkpointing
 from inductor_ext.bench.train.providers import Provider, checkpoint_context
@@ -157,10 +158,11 @@ def run_provider(args: argparse.Namespace, provider: Provider) -> dict[str, Any]
     def step(unit: list[Any]) -> list[torch.Tensor]:
         return [optimizer_step(batch) for batch in unit]
 
-    start = time.perf_counter()
+    timers, start = timer_seconds(), time.perf_counter()
     losses = step(data[0])
     sync()
     first_step_s = time.perf_counter() - start
+    first_step_compile = compile_split(timers)
     timed = data[1 + args.warmup : 1 + args.warmup + args.steps]
     # padded batches come in many shapes and dynamic=True compiles one graph per class of them: warming
     # up on the timed steps themselves compiles all they need before timing
@@ -230,6 +232,7 @@ def run_provider(args: argparse.Namespace, provider: Provider) -> dict[str, Any]
         "step_ms": [1e3 * s for s in step_s],
         "peak_gib": peak_gib,
         "first_step_s": first_step_s,
+        "first_step_compile_s": first_step_compile,  # inductor_ext.bench.compile_split's phases
         "tune_s": tune_s,
         "timed_steps_gpu": clocks.mean,  # mean SM clock and power: compute-bound kernels slow with the clock
         "losses": loss_values,
