@@ -259,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse(argv)
     if args.worker:
-        if args.packages is None:  # a worker run by hand: its export is its own
-            with tempfile.TemporaryDirectory() as packages:
-                args.packages = Path(packages)
-                print_child_result(run_provider(args))
-        else:
+        with tempfile.TemporaryDirectory() as packages:  # used by a worker run by hand: its export is its own
+            args.packages = args.packages or Path(packages)
             print_child_result(run_provider(args))
         return 0
     results = {}
