@@ -16,7 +16,8 @@ the same caches, and both are reported). Each phase is timed inclusively where i
 - ``weights`` and ``package``: collecting the shared weights and writing the ``.pt2``.
 
 ``inductor_timers`` holds Inductor's own timers (``torch._dynamo.utils.compilation_time_metrics``) per
-graph, and ``--profile N`` adds each graph's compile under cProfile (its N costliest functions).
+graph, and ``--profile N`` adds each graph's compile under cProfile (its N costliest functions by cumulative
+and by own time).
 
 Writes ``export_time_<model>.json`` (rendered into docs/export.md's table by hand: the file is the data).
 """
@@ -107,7 +108,9 @@ def timed_export(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     profile.disable()
         if profile is not None:
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.profile)
+            stats = pstats.Stats(profile, stream=text)
+            stats.sort_stats("cumulative").print_stats(args.profile)  # where the time is spent, from the top
+            stats.sort_stats("tottime").print_stats(args.profile)  # and the functions that spend it themselves
             profiles[clock.graph] = text.getvalue()
         split = compile_split(before)  # passes, route timing, Inductor and its parts, from the compile timers
         # no Dynamo in an export, and AOTInductor compiles the forward outside AOTAutograd's dispatcher, so

@@ -110,6 +110,7 @@ class DecodeLoop:
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         """One memory pool for every captured graph: they replay one at a time, each copying what it
         keeps into :class:`DecodeState` tensors, so their intermediates may share memory."""
+        self._stop_flags = _StopFlags() if cuda_graphs else None
 
     def generate(
         self,
@@ -126,7 +127,8 @@ class DecodeLoop:
         eos = self._eos_tensor(choice.eos_token_ids, logits.device)
         state.record(choice(logits), choice, eos)
         graph = self._graphs.get((state.batch, choice)) if self.cuda_graphs else None
-        watch = _StopWatch(eos is not None, asynchronous=self.cuda_graphs and on_token is None)
+        flags = self._stop_flags if on_token is None else None
+        watch = _StopWatch(eos is not None, flags)
         for made in range(1, max_new_tokens + 1):
             if made > 1:  # decode the last token, choose the next
                 if graph is not None:
@@ -167,26 +169,42 @@ class DecodeLoop:
         return self._eos[eos_token_ids]
 
 
-class _StopWatch:
-    """When every row has finished: read from the device after each token (``asynchronous`` off), or
-    :data:`STOP_CHECK_LAG` tokens behind through pinned host memory and events, so that the host never
-    waits for the step it just launched. ``watching`` off (no end tokens): nothing is read."""
+class _StopFlags:
+    """A ring of :data:`STOP_CHECK_LAG` + 1 pinned host flags and their events, allocated once per loop:
+    the step made ``n`` copies its flag into slot ``n % (STOP_CHECK_LAG + 1)``, which the host read (and
+    synchronised on) before it launched that step."""
 
-    def __init__(self, watching: bool, asynchronous: bool) -> None:
-        self.watching, self.asynchronous = watching, asynchronous
-        self._pending: collections.deque[tuple[int, Tensor, torch.cuda.Event]] = collections.deque()
+    def __init__(self) -> None:
+        self.flags = torch.empty(STOP_CHECK_LAG + 1, dtype=torch.bool, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(STOP_CHECK_LAG + 1)]
+
+    def record(self, made: int, any_unfinished: Tensor) -> int:
+        slot = made % (STOP_CHECK_LAG + 1)
+        self.flags[slot : slot + 1].copy_(any_unfinished, non_blocking=True)
+        self.events[slot].record()
+        return slot
+
+    def read(self, slot: int) -> bool:
+        self.events[slot].synchronize()
+        return bool(self.flags[slot])
+
+
+class _StopWatch:
+    """When every row has finished: read from the device after each token (no ``flags``), or
+    :data:`STOP_CHECK_LAG` tokens behind through the pinned ``flags``, so that the host never waits for
+    the step it just launched. ``watching`` off (no end tokens): nothing is read."""
+
+    def __init__(self, watching: bool, flags: _StopFlags | None) -> None:
+        self.watching, self.flags = watching, flags
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
 
     def after(self, made: int, any_unfinished: Tensor) -> int | None:
         """Called after token ``made`` was launched; returns the sequences' length once it is known."""
         if not self.watching:
             return None
-        if not self.asynchronous:
+        if self.flags is None:
             return None if bool(any_unfinished) else made
-        flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
-        flag.copy_(any_unfinished, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((made, flag, event))
+        self._pending.append((made, self.flags.record(made, any_unfinished)))
         return self._check() if len(self._pending) > STOP_CHECK_LAG else None
 
     def finish(self, made: int) -> int:
@@ -198,6 +216,5 @@ class _StopWatch:
         return made
 
     def _check(self) -> int | None:
-        made, flag, event = self._pending.popleft()
-        event.synchronize()
-        return None if bool(flag) else made
+        made, slot = self._pending.popleft()
+        return None if self.flags.read(slot) else made
