@@ -112,6 +112,8 @@ def timed_export(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             stats.sort_stats("cumulative").print_stats(args.profile)  # where the time is spent, from the top
             stats.sort_stats("tottime").print_stats(args.profile)  # and the functions that spend it themselves
             profiles[clock.graph] = text.getvalue()
+            # printed now as well: a run cut short keeps it
+            print(f"profile of {clock.graph}:\n{profiles[clock.graph]}", file=sys.stderr, flush=True)
         split = compile_split(before)  # passes, route timing, Inductor and its parts, from the compile timers
         # no Dynamo in an export, and AOTInductor compiles the forward outside AOTAutograd's dispatcher, so
         # compile_split's subtraction does not hold: AOTAutograd's own timer is among inductor_timers

@@ -217,4 +217,5 @@ class _StopWatch:
 
     def _check(self) -> int | None:
         made, slot = self._pending.popleft()
+        assert self.flags is not None, "only the asynchronous watch keeps pending flags"
         return None if self.flags.read(slot) else made
