@@ -33,6 +33,7 @@ MODEL_BENCHES = {
     "export": "benchmarks.export",
     "autotune": "benchmarks.autotune",
     "document_attention": "benchmarks.document_attention",
+    "sft_trainer": "benchmarks.sft_trainer",
 }
 """Model-level benchmarks, each with its own ``main(argv)``: ``python -m benchmarks backend --help``.
 (``bench train`` and ``bench generate`` are the package's: ``python -m inductor_ext.bench``.)"""

@@ -25,6 +25,7 @@ dynamic shapes).
 import argparse
 import math
 import random
+import tempfile
 import time
 
 import torch
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=64, help="tokens per packed row")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--no-compile", action="store_true", help="run the decoder eagerly")
-    parser.add_argument("--output-dir", default="sft_trainer_output")
+    parser.add_argument("--output-dir", help="the trainer's output folder (default: a temporary one, removed at exit)")
     args = parser.parse_args()
 
     import datasets
@@ -95,8 +96,9 @@ def main() -> None:
         model.get_decoder().compile(backend="fastops_inductor")
 
     documents = counting_documents(8 * args.steps * args.batch, words, args.max_length)
+    scratch = tempfile.TemporaryDirectory(prefix="sft_trainer_") if args.output_dir is None else None  # removed at exit
     config = trl.SFTConfig(
-        args.output_dir,
+        args.output_dir if scratch is None else scratch.name,
         packing=True,
         padding_free=True,
         max_length=args.max_length,

@@ -4,6 +4,7 @@ providers built from their axes."""
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -246,14 +247,17 @@ def test_fine_tuning_example_runs_and_learns():
 @pytest.mark.slow
 def test_sft_trainer_example_runs_and_learns(tmp_path):
     """examples/sft_trainer.py on CPU: TRL's SFTTrainer on packed, padding-free rows (eager here, to keep CI
-    short; its default compiles the decoder, which tests/models/test_trainers.py checks)."""
+    short; its default compiles the decoder, which tests/models/test_trainers.py checks). Without
+    ``--output-dir`` the trainer's folder is a temporary one: nothing is left where the example ran."""
     from pathlib import Path
 
     pytest.importorskip("trl")
-    script = Path(__file__).resolve().parent.parent / "examples" / "sft_trainer.py"
-    command = [sys.executable, str(script), "--steps", "15", "--no-compile", "--output-dir", str(tmp_path)]
-    proc = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, str(root / "examples" / "sft_trainer.py"), "--steps", "15", "--no-compile"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(tmp_path.iterdir())
     assert "models.apply: llama" in proc.stdout
     first, final = (float(x) for x in re.search(r"^loss (\S+) -> (\S+) ", proc.stdout, re.MULTILINE).groups())
     assert abs(first - 5.5452) < 0.1 and final < 0.8 * first  # from ln(256): the counting task is being learned
