@@ -41,7 +41,7 @@ prints a table with each provider's speed as a ratio to ``trl_compile``'s and ``
 """
 
 import argparse
-import importlib.metadata
+import importlib
 import importlib.util
 import itertools
 import json
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from inductor_ext.bench import packing
-from inductor_ext.bench.harness import fresh_cache_env, print_child_result, run_child
+from inductor_ext.bench.harness import fresh_cache_env, package_version, print_child_result, run_child
 from inductor_ext.bench.train import MODELS, build_model
 from inductor_ext.bench.train.model import add_lora
 
@@ -356,7 +356,7 @@ def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return {
         "command": shlex.join(["python", "-m", "benchmarks", "sft_trainer", *argv]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "versions": {package: _version(package) for package in packages},
+        "versions": {package: package_version(package) for package in packages},
         "model": args.model,
         "layers": args.layers if args.layers is not None else MODELS[args.model].get("num_hidden_layers"),
         "adapter": adapter(args),
@@ -415,10 +415,3 @@ def main(argv: list[str] | None = None) -> int:
     for provider in failed:
         print(f"{provider}: failed (its output is above)")
     return 1 if failed else 0
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None

@@ -2,6 +2,7 @@
 caches, the GPU's kernel timeline of a step, its SM clock and power while timed, and the copy bandwidth."""
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import shutil
@@ -12,6 +13,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import torch
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of ``package`` (a distribution name), or None where it is not installed: a
+    benchmark's JSON records what it ran with."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -25,8 +25,7 @@ class _CheckedEvent:
 
 class _CpuStopFlags(_StopFlags):
     def __init__(self) -> None:  # the ring in ordinary memory, with checked events
-        self.flags = torch.empty(STOP_CHECK_LAG + 1, dtype=torch.bool)
-        self.events = [_CheckedEvent() for _ in range(STOP_CHECK_LAG + 1)]
+        self.slots = [(torch.empty(1, dtype=torch.bool), _CheckedEvent()) for _ in range(STOP_CHECK_LAG + 1)]
 
 
 def _watch(finished_at: int | None, steps: int) -> tuple[int, int]:

@@ -26,7 +26,6 @@ rank). ``--merge`` adds to an existing file of the same settings. ``--device cpu
 import argparse
 import contextlib
 import importlib
-import importlib.metadata
 import json
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from inductor_ext.bench import fsdp, packing
-from inductor_ext.bench.harness import fresh_cache_env, kernel_class, print_child_result, run_child
+from inductor_ext.bench.harness import fresh_cache_env, kernel_class, package_version, print_child_result, run_child
 from inductor_ext.bench.train import report
 from inductor_ext.bench.train.model import MODELS
 from inductor_ext.bench.train.providers import GROUPS, PRESETS, Provider, parse_provider, with_checkpointing
@@ -169,12 +168,12 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
     if args.qlora:
         from inductor_ext.bench.train import qlora
 
-        meta.update(qlora=qlora.quantization_meta(), peft=_version("peft"))
+        meta.update(qlora=qlora.quantization_meta(), peft=package_version("peft"))
     if args.gradient_checkpointing:
         meta["gradient_checkpointing"] = True
     if args.rounds > 1:
         meta["rounds"] = args.rounds
-    meta["transformers"] = _version("transformers")
+    meta["transformers"] = package_version("transformers")
     meta["device"] = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     meta["command"] = "python -m inductor_ext.bench train " + " ".join(_argv_of(args))
     return meta
@@ -260,10 +259,3 @@ def _print_headline(result: dict[str, Any]) -> None:
         phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in split.items() if name != "passes")
         passes = ", ".join(f"{name} {seconds:.2f}" for name, seconds in split["passes"].items())
         print(f"  first step's compile (s): {phases}; our passes: {passes or 'none'}", flush=True)
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None

@@ -170,23 +170,23 @@ class DecodeLoop:
 
 
 class _StopFlags:
-    """A ring of :data:`STOP_CHECK_LAG` + 1 pinned host flags and their events, allocated once per loop:
-    the step made ``n`` copies its flag into slot ``n % (STOP_CHECK_LAG + 1)``, which the host read (and
-    synchronised on) before it launched that step."""
+    """A ring of :data:`STOP_CHECK_LAG` + 1 pinned host flags, each with its event, allocated once per loop:
+    token ``n``'s flag goes to slot ``n % (STOP_CHECK_LAG + 1)``, which the host read (and synchronised on)
+    before it launched token ``n``."""
 
     def __init__(self) -> None:
-        self.flags = torch.empty(STOP_CHECK_LAG + 1, dtype=torch.bool, pin_memory=True)
-        self.events = [torch.cuda.Event() for _ in range(STOP_CHECK_LAG + 1)]
+        self.slots = [(torch.empty(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event())
+                      for _ in range(STOP_CHECK_LAG + 1)]  # fmt: skip
 
-    def record(self, made: int, any_unfinished: Tensor) -> int:
-        slot = made % (STOP_CHECK_LAG + 1)
-        self.flags[slot : slot + 1].copy_(any_unfinished, non_blocking=True)
-        self.events[slot].record()
-        return slot
+    def record(self, made: int, any_unfinished: Tensor) -> None:
+        flag, event = self.slots[made % len(self.slots)]
+        flag.copy_(any_unfinished, non_blocking=True)
+        event.record()
 
-    def read(self, slot: int) -> bool:
-        self.events[slot].synchronize()
-        return bool(self.flags[slot])
+    def read(self, made: int) -> bool:
+        flag, event = self.slots[made % len(self.slots)]
+        event.synchronize()
+        return bool(flag)
 
 
 class _StopWatch:
@@ -196,7 +196,8 @@ class _StopWatch:
 
     def __init__(self, watching: bool, flags: _StopFlags | None) -> None:
         self.watching, self.flags = watching, flags
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        self._pending: collections.deque[int] = collections.deque()
+        """The tokens whose flags the host has not read yet."""
 
     def after(self, made: int, any_unfinished: Tensor) -> int | None:
         """Called after token ``made`` was launched; returns the sequences' length once it is known."""
@@ -204,7 +205,8 @@ class _StopWatch:
             return None
         if self.flags is None:
             return None if bool(any_unfinished) else made
-        self._pending.append((made, self.flags.record(made, any_unfinished)))
+        self.flags.record(made, any_unfinished)
+        self._pending.append(made)
         return self._check() if len(self._pending) > STOP_CHECK_LAG else None
 
     def finish(self, made: int) -> int:
@@ -216,6 +218,6 @@ class _StopWatch:
         return made
 
     def _check(self) -> int | None:
-        made, slot = self._pending.popleft()
+        made = self._pending.popleft()
         assert self.flags is not None, "only the asynchronous watch keeps pending flags"
-        return None if self.flags.read(slot) else made
+        return None if self.flags.read(made) else made
