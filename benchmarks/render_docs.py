@@ -144,21 +144,28 @@ def train_section(name: str) -> str | None:
 
 
 def generate_section(name: str) -> str | None:
+    """One ``bench generate`` run: a row per provider, its decode and prefill per batch size."""
     data = _load(name)
     meta = data["meta"]
     base = "python -m inductor_ext.bench generate"
     for key, default in (("model", "llama-3.2-1b"), ("prompt", 2048), ("new", 64)):  # the CLI's defaults
         if meta[key] != default:
             base += f" --{key} {meta[key]}"
-    rows = [
-        {
-            **{k: v for k, v in row.items()},
-            "command": f"`{base} --batches {row['batch']} --providers {row['provider']}`",
-        }
-        for row in data["summary"]
-    ]
+    batches = " ".join(map(str, meta["batches"]))
+    rows: dict[str, dict[str, Any]] = {}
+    for summary in data["summary"]:
+        row = rows.setdefault(summary["provider"], {"provider": summary["provider"]})
+        b = summary["batch"]
+        row[f"b{b} decode ms/token"] = summary["decode ms/token"]
+        row[f"b{b} x hf_compile"] = summary["x hf_compile"]
+        row[f"b{b} of floor"] = summary["of floor"]
+        row[f"b{b} prefill ms"] = summary["prefill ms"]
+    for provider, row in rows.items():
+        row["export s"] = next(r.get("export s") for r in data["summary"] if r["provider"] == provider)
+        row["command"] = f"`{base} --batches {batches} --providers {provider}`"
     title = f"Generation: {meta['model']}, prompt {meta['prompt']} tokens, {meta['new']} new"
-    return _section(title, name, _table(rows), _software(meta) + ".")
+    note = _software(meta) + "."
+    return _section(title, name, _table(list(rows.values())), note)
 
 
 # --- op micro-benchmarks -----------------------------------------------------------------------------------

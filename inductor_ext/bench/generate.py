@@ -26,9 +26,11 @@ prefill time is ``T(1)`` (the prompt and the first token), the decode time per t
 ``(T(--new + 1) - T(1)) / --new``. The C++ loop reports its own: the prefill call, then the time of
 the decode calls (with their token choices) per call. The package
 providers that export alike (``package_python`` and ``package_cpp``) share one export, made by the first
-of them to run, and report its seconds (``export_s``, cold compile caches: each provider runs in a fresh
-process with empty ones). The floor of a decode step is the bytes it must read, the weights plus the
-filled part of the KV cache, over the copy bandwidth measured in the same process.
+of them to run, and report its seconds (``export_s``, cold caches: each provider runs in a fresh
+process with empty Inductor and Triton caches and tuning database); the exporting provider adds the
+compile timers the export advanced (``export_timers``, seconds per PyTorch and fastops timer). The
+floor of a decode step is the bytes it must read, the weights plus the filled part of the KV cache,
+over the copy bandwidth measured in the same process.
 On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
 per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
 launch and host gaps (wall time above GPU time) from slow kernels.
@@ -50,8 +52,10 @@ from typing import Any
 import torch
 
 import inductor_ext
+from inductor_ext.bench.compile_split import timer_seconds
 from inductor_ext.bench.harness import (
     copy_bandwidth_gbps,
+    fresh_cache_env,
     kernel_us,
     kernel_us_by_class,
     print_child_result,
@@ -130,17 +134,22 @@ def _export_settings(provider: str) -> dict[str, Any]:
             "decode_batch_sizes": () if frozen or provider.endswith("_dynamic") else (1,)}  # fmt: skip
 
 
-def _shared_export(model: Any, provider: str, args: argparse.Namespace, max_seq: int) -> tuple[Path, float]:
+def _shared_export(model: Any, provider: str, args: argparse.Namespace, max_seq: int) -> tuple[Path, float, dict]:
     """The package for ``provider`` in ``args.packages`` (exported now unless a provider with the same
-    settings exported it) and the seconds its export took."""
+    settings exported it), the seconds its export took and, when this call exported it, the compile timers
+    it advanced (:func:`inductor_ext.bench.compile_split.timer_seconds`: seconds per timer, the largest
+    first), else an empty dict."""
     settings = _export_settings(provider)
     name = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path, seconds = args.packages / f"{name}.pt2", args.packages / f"{name}.export_s"
+    timers: dict[str, float] = {}
     if not path.exists():
-        start = time.perf_counter()
+        before, start = timer_seconds(), time.perf_counter()
         inductor_ext.export_generation(model, path, max_batch_size=max(args.batches), max_seq_len=max_seq, **settings)
         seconds.write_text(str(time.perf_counter() - start))
-    return path, float(seconds.read_text())
+        spent = {key: value - before.get(key, 0.0) for key, value in timer_seconds().items()}
+        timers = {key: round(value, 2) for key, value in sorted(spent.items(), key=lambda i: -i[1]) if value >= 0.5}
+    return path, float(seconds.read_text()), timers
 
 
 def run_provider(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,7 +164,9 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"weight_bytes": weights, "copy_gbps": copy_bandwidth_gbps() if device == "cuda" else None}
     max_seq = args.prompt + args.new + 1
     if provider.startswith("package_"):
-        path, result["export_s"] = _shared_export(model, provider, args, max_seq)
+        path, result["export_s"], timers = _shared_export(model, provider, args, max_seq)
+        if timers:
+            result["export_timers"] = timers
         generate: Callable[..., Any] = inductor_ext.load_generation(path).generate
     else:
         generate = _hf_generate(model, provider)
@@ -263,19 +274,22 @@ def main(argv: list[str] | None = None) -> int:
             args.packages = args.packages or Path(packages)
             print_child_result(run_provider(args))
         return 0
-    results = {}
-    with tempfile.TemporaryDirectory() as packages:
-        args.packages = Path(packages)
-        for provider in args.providers:
-            print(f"{provider} ...", flush=True)
-            results[provider] = run_child(_worker_command(args, provider), {})
-    table = rows(results, args.batches)
-    print(tabulate(table, headers="keys"))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"generate_{args.model}_prompt{args.prompt}"
     meta = {"model": args.model, "prompt": args.prompt, "new": args.new, "batches": args.batches,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}  # fmt: skip
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results, "summary": table}, indent=1))
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as packages, tempfile.TemporaryDirectory() as scratch:
+        args.packages = Path(packages)
+        for provider in args.providers:
+            print(f"{provider} ...", flush=True)
+            caches = fresh_cache_env(scratch, tempfile.mkdtemp(dir=scratch))  # cold: nothing compiled or tuned
+            results[provider] = run_child(_worker_command(args, provider), caches)
+            table = rows(results, args.batches)
+            # written after each provider: a run cut short keeps the providers it measured
+            (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results, "summary": table},
+                                                              indent=1))  # fmt: skip
+    print(tabulate(table, headers="keys"))
     if args.device == "cuda":  # the CPU smoke run has no timings worth a plot (nor, maybe, matplotlib)
         plot(table, args.out / f"{stem}.png", f"{args.model}: decode after a {args.prompt}-token prompt")
     return 0

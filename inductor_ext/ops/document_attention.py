@@ -176,13 +176,12 @@ def document_causal_attention(
 def flex_is_trusted(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether the block-sparse FlexAttention runs: on CUDA, where a gradient is needed (training graphs).
 
-    Forward-only graphs keep SDPA on the materialised mask, correct but not faster. Measured on the H200
-    (torch 2.11, 4 x 2048 rows of the ``bench train --packed`` documents, 32/8 heads of 64): compiled under
-    ``torch.no_grad()`` the FlexAttention on these block tables was 81% off float64 SDPA (90% with contiguous
-    q, k, v), while the same graph with gradients, and ``create_block_mask``'s tables without, were right;
-    the AOTInductor package of a packed HF call hit an illegal memory access. Building the tables with a
-    Triton kernel (equal to these tables on the GPU, eagerly and compiled alone) made the attention wrong
-    with gradients too. The fault is not isolated.
+    Forward-only graphs keep SDPA on the materialised mask, correct but not faster. Compiled by Inductor
+    (torch 2.11, H100; 4 x 2048 packed rows, 32/8 heads of 64, bf16) into one inference graph with the
+    attention, the tables built here give garbage (relative error 4e17 against float64 SDPA; with 64 x 64
+    tiles, an illegal memory access). The same tables built outside the graph, or returned by it (as a
+    training graph saves them for the backward), give FlexAttention's bf16 error (2e-3), and they equal
+    ``create_block_mask``'s row for row. ``scripts/flex_no_grad.py`` reproduces it.
     """
     return query.device.type == "cuda" and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
 
