@@ -11,8 +11,9 @@ The blocks nest and may run on several threads at once: a patch is installed whe
 takes it and removed when the last one lets go (a reference count under a lock). A stock
 compile running on another thread *during* one of our compiles sees the patches too.
 
-The patches themselves: :mod:`.torch_fixes` (torch bugs our defaults run into) and
-:mod:`.kernel_analysis_cache` (a memo on torch's per-launch Triton analysis, for compile time).
+The patches themselves: :mod:`.torch_fixes` (torch bugs our defaults run into),
+:mod:`.kernel_analysis_cache` (a memo on torch's per-launch Triton analysis, for compile time) and
+:mod:`.vec_isa_probe` (no probe of the host's vector instructions for a graph without CPU tensors).
 """
 
 import dataclasses
@@ -141,6 +142,6 @@ def installed() -> list[str]:
 
 def inductor_patches() -> list[Patch]:
     """The patches the backend's and export's compiles apply."""
-    from inductor_ext._compat import kernel_analysis_cache, torch_fixes
+    from inductor_ext._compat import kernel_analysis_cache, torch_fixes, vec_isa_probe
 
-    return [*torch_fixes.PATCHES, *kernel_analysis_cache.patches()]
+    return [*torch_fixes.PATCHES, *kernel_analysis_cache.patches(), *vec_isa_probe.patches()]
