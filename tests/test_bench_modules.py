@@ -28,6 +28,8 @@ def test_the_package_benchmarks_are_train_and_generate(capsys):
 
     assert sorted(BENCHMARKS) == ["generate", "train"]
     assert main(["rms_norm"]) == 2 and "train,generate" in capsys.readouterr().err
+    for flag in ("-h", "--help"):
+        assert main([flag]) == 0 and "python -m inductor_ext.bench train --help" in capsys.readouterr().out
 
 
 def test_profile_compile_sampler_credits_the_sampled_threads():

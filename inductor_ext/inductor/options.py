@@ -93,8 +93,12 @@ def parse_options(
     """
     from torch._inductor import config as inductor_config
 
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"fastops_inductor: options must be a dict of option name -> value, got {type(options).__name__}"
+        )
     options = dict(options or {})
-    ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if k.startswith(_PREFIX)}
+    ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if isinstance(k, str) and k.startswith(_PREFIX)}
     unknown = set(ours) - set(OPTION_NAMES)
     if unknown:
         known = ", ".join(_PREFIX + k for k in OPTION_NAMES)
@@ -104,14 +108,17 @@ def parse_options(
     default_route, routes = _parse_route(route)
 
     if "multi_kernel" in ours:
-        multi_kernel: int | None = int(ours["multi_kernel"])
+        multi_kernel: int | None = _multi_kernel(ours["multi_kernel"], "fastops.multi_kernel")
     elif "triton.multi_kernel" in options or "TORCHINDUCTOR_MULTI_KERNEL" in env:
         multi_kernel = None
+    elif "INDUCTOR_EXT_MULTI_KERNEL" in env:
+        multi_kernel = _multi_kernel(env["INDUCTOR_EXT_MULTI_KERNEL"], "INDUCTOR_EXT_MULTI_KERNEL")
     else:
-        multi_kernel = (
-            int(env["INDUCTOR_EXT_MULTI_KERNEL"]) if "INDUCTOR_EXT_MULTI_KERNEL" in env else default_multi_kernel
-        )
+        multi_kernel = default_multi_kernel
     cpp_wrapper = bool(options.pop("cpp_wrapper", inductor_config.cpp_wrapper))
+    for name, value in ours.items():
+        if (name == "assume_no_padding" or name in PASSES) and not isinstance(value, bool):
+            raise TypeError(f"fastops_inductor: fastops.{name} must be True or False, got {value!r}")
     assume_no_padding = ours.get("assume_no_padding", env_flag(env, "INDUCTOR_EXT_ASSUME_NO_PADDING", False))
     enabled = tuple(
         name
@@ -140,6 +147,24 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _multi_kernel(value: Any, name: str) -> int:
+    """Inductor's ``triton.multi_kernel`` level (0 off, 1 on, 2 and 3 its variants) from an option or the environment."""
+    level = value if isinstance(value, int) else int(value) if isinstance(value, str) and value.isdigit() else None
+    if level is None or not 0 <= level <= 3:
+        raise ValueError(
+            f"fastops_inductor: {name} must be 0, 1, 2 or 3 (Inductor's triton.multi_kernel), got {value!r}"
+        )
+    return int(level)
+
+
+def _families() -> set[str]:
+    """The op families a route can name (registered by the op modules, imported here for that)."""
+    import inductor_ext.ops  # noqa: F401
+    from inductor_ext.library.registration import FAMILY_OF
+
+    return set(FAMILY_OF.values())
+
+
 def _parse_route(route: str | Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
     if isinstance(route, str):
         entries = dict(_split_env_route(route))
@@ -150,6 +175,12 @@ def _parse_route(route: str | Mapping[str, str]) -> tuple[str, tuple[tuple[str, 
     for family, value in entries.items():
         if value not in ROUTES:
             raise ValueError(f"fastops_inductor: route for {family!r} must be one of {ROUTES}, got {value!r}")
+    unknown = sorted(str(family) for family in set(entries) - _families() - {"default"})
+    if unknown:
+        raise ValueError(
+            f"fastops_inductor: fastops.route names unknown op families {unknown}; known: "
+            f"{', '.join(sorted(_families()))} and 'default'"
+        )
     default = entries.pop("default", "auto")
     return default, tuple(sorted(entries.items()))
 

@@ -31,6 +31,7 @@ from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
 from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule, weight_grad_placement
+from inductor_ext.ops._arguments import check_real
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -206,6 +207,7 @@ def _check_inputs(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: fl
         raise TypeError(f"layer_norm: x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("layer_norm: x must have at least 1 dimension (the normalised one), got a scalar")
+    check_real("layer_norm", "eps", eps)
     if not eps >= 0:
         raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
     _check_param("weight", weight, x)

@@ -35,6 +35,7 @@ from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kern
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
 from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule, weight_grad_placement
+from inductor_ext.ops._arguments import check_real
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
 
@@ -277,7 +278,7 @@ def _add_rms_norm_bwd_sharding(
     return [replicated(2, inputs), (outputs, shard_inputs(0, inputs, (True, True, True, False, True)))]
 
 
-def _check_inputs(x: Tensor, weight: Tensor | None, eps: float, casting: str) -> None:
+def _check_inputs(x: Tensor, weight: Tensor | None, eps: float, offset: float, casting: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"rms_norm: x must be a Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -286,6 +287,8 @@ def _check_inputs(x: Tensor, weight: Tensor | None, eps: float, casting: str) ->
         raise ValueError("rms_norm: x must have at least 1 dimension (the normalised one), got a scalar")
     if casting not in CASTINGS:
         raise ValueError(f"rms_norm: casting must be one of {CASTINGS}, got {casting!r}")
+    check_real("rms_norm", "eps", eps)
+    check_real("rms_norm", "offset", offset)
     if not eps >= 0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
     if weight is None:
@@ -317,7 +320,7 @@ def rms_norm(
             weight; output in the promoted dtype of x and weight, like HF
             ``LlamaRMSNorm``) or ``"gemma"`` (multiply in fp32, cast to x's dtype once).
     """
-    _check_inputs(x, weight, eps, casting)
+    _check_inputs(x, weight, eps, offset, casting)
     y, _rstd = rms_norm_family(rows_2d(x), weight, float(eps), float(offset), casting)
     return y if x.dim() == 2 else y.view(x.shape)
 
@@ -332,7 +335,7 @@ def add_rms_norm(
     and h again in the next residual add). ``residual`` must match x's shape, dtype and device;
     h has x's dtype (the sum rounded once, like the eager add). Other arguments as :func:`rms_norm`.
     """
-    _check_inputs(x, weight, eps, casting)
+    _check_inputs(x, weight, eps, offset, casting)
     if not isinstance(residual, Tensor):
         raise TypeError(f"add_rms_norm: residual must be a Tensor, got {type(residual).__name__}")
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:

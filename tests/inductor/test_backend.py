@@ -205,6 +205,14 @@ def test_parse_options_defaults_env_and_precedence():
         ({"fastops.route": "fast"}, {}, "must be one of"),
         ({"fastops.route": 3}, {}, "must be a str or a dict"),
         (None, {"INDUCTOR_EXT_PATTERNS": "maybe"}, "INDUCTOR_EXT_PATTERNS must be"),
+        ({"fastops.route": {"rms_norm": "kernel", "bogus_op": "kernel"}}, {}, r"unknown op families \['bogus_op'\]"),
+        (None, {"INDUCTOR_EXT_ROUTE": "auto,rmsnorm=kernel"}, r"unknown op families \['rmsnorm'\]"),
+        ({"fastops.multi_kernel": "yes"}, {}, "fastops.multi_kernel must be 0, 1, 2 or 3"),
+        ({"fastops.multi_kernel": 7}, {}, "fastops.multi_kernel must be 0, 1, 2 or 3"),
+        (None, {"INDUCTOR_EXT_MULTI_KERNEL": "on"}, "INDUCTOR_EXT_MULTI_KERNEL must be 0, 1, 2 or 3"),
+        ({"fastops.causal_mask": "no"}, {}, "fastops.causal_mask must be True or False"),
+        ({"fastops.assume_no_padding": 1}, {}, "fastops.assume_no_padding must be True or False"),
+        ("fastops.route=kernel", {}, "options must be a dict of option name -> value, got str"),
     ],
 )
 def test_bad_options_are_named(options, env, message):

@@ -261,6 +261,8 @@ def test_zero_size(shape):
         ({"bias": torch.ones(4, device="meta")}, ValueError, "bias is on meta but x is on"),
         ({"eps": -1.0}, ValueError, "eps must be >= 0"),
         ({"eps": float("nan")}, ValueError, "eps must be >= 0"),
+        ({"eps": "1e-5"}, TypeError, "eps must be a real number, got '1e-5' \\(str\\)"),
+        ({"eps": True}, TypeError, "eps must be a real number, got True"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):

@@ -137,14 +137,17 @@ def test_zero_size(shape):
         ({"weight": torch.ones(4, device="meta")}, ValueError, "weight is on meta but x is on"),
         ({"casting": "mistral"}, ValueError, r"casting must be one of \('llama', 'gemma'\)"),
         ({"eps": -1.0}, ValueError, "eps must be >= 0"),
+        ({"eps": "1e-6"}, TypeError, "eps must be a real number, got '1e-6'"),
+        ({"eps": torch.tensor(1e-6)}, TypeError, r"eps must be a real number, got tensor\(1.0000e-06\) \(Tensor\)"),
+        ({"offset": "1"}, TypeError, "offset must be a real number"),
         ({"x": torch.tensor(1.0)}, ValueError, "at least 1 dimension"),
         ({"x": [1.0, 2.0]}, TypeError, "x must be a Tensor"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):
-    args = {"x": torch.ones(3, 4), "weight": torch.ones(4), "eps": 1e-6, "casting": "llama", **kwargs}
+    args = {"x": torch.ones(3, 4), "weight": torch.ones(4), "eps": 1e-6, "offset": 0.0, "casting": "llama", **kwargs}
     with pytest.raises(error, match=match):
-        rms_norm(args["x"], args["weight"], args["eps"], casting=args["casting"])
+        rms_norm(args["x"], args["weight"], args["eps"], offset=args["offset"], casting=args["casting"])
 
 
 def test_opcheck_both_ops():
