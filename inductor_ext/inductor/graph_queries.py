@@ -103,19 +103,6 @@ def is_last_dim(dim: Any, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
-def changes_global_state(node: Node) -> bool:
-    """Whether ``node`` enters or leaves a context that changes how later calls compute: Dynamo spells
-    ``torch.autocast``, ``torch.no_grad``/``enable_grad`` and ``torch.inference_mode`` blocks as calls of
-    ``torch.amp.autocast_mode._enter_autocast``/``_exit_autocast``, ``torch._C._set_grad_enabled`` and
-    ``torch.autograd.grad_mode._enter_inference_mode``/``_exit_inference_mode`` (and any other private
-    ``_enter_*``/``_exit_*``/``_set_*`` function of torch, conservatively) in the graph."""
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "__name__", "")
-    module = getattr(node.target, "__module__", "") or ""
-    return module.startswith("torch") and name.startswith(("_enter_", "_exit_", "_set_"))
-
-
 def any_between(first: Node, last: Node, nodes: set[Node]) -> bool:
     """Whether one of ``nodes`` stands strictly between ``first`` and ``last`` (``first`` before ``last``)
     in the graph: a walk back from ``last``, not an index of the whole graph."""
