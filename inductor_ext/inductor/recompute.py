@@ -36,16 +36,14 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch._ops import OpOverload
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from inductor_ext.inductor.graph_queries import is_call, value, with_value
-from inductor_ext.library.sharding import Strategy, register_sharding_rules, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.lora import lora_linear_family, lora_mlp_family, lora_qkv_family
-from inductor_ext.ops.rms_norm import add_rms_norm_family, rms_norm_family, rms_norm_output
+from inductor_ext.ops.rms_norm import RECOMPUTABLE_OUTPUT, add_rms_norm_family, rms_norm_family, rms_norm_output
 
 NORM_FORWARDS = (rms_norm_family.fwd, layer_norm_family.fwd)
 """Norm forward ops whose first output (the normalised tensor) may be recomputed; their backward saves their input."""
@@ -65,44 +63,6 @@ SAME_VALUE_METHODS = ("view", "view_as", "reshape", "reshape_as", "flatten", "un
 CAST_METHODS = ("to", "type", "type_as", "float", "bfloat16", "half")
 """Casts: the same values when they keep the dtype; a cast to another dtype is a new tensor, which a matrix
 product after it saves in the norm output's place (marking the norm would then only add a kernel)."""
-
-
-@torch.library.custom_op("fastops::recomputable_norm_output", mutates_args=())
-def _recomputable_norm_output(
-    y: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, casting: str
-) -> Tensor:
-    """``y`` (a copy: the marker only runs if a graph keeps it, which the pass's later stages prevent)."""
-    return y.clone()
-
-
-@_recomputable_norm_output.register_fake
-def _(y: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, casting: str) -> Tensor:
-    return torch.empty_like(y)
-
-
-def _recomputable_norm_output_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    return grad, None, None, None, None, None
-
-
-_recomputable_norm_output.register_autograd(_recomputable_norm_output_backward)
-
-RECOMPUTABLE_OUTPUT: OpOverload = torch.ops.fastops.recomputable_norm_output.default
-"""``fastops::recomputable_norm_output(y, x, rstd, weight, offset, casting) -> y``: ``y`` is
-``rms_norm_output(x, rstd, weight, offset, casting)``; its gradient passes to ``y`` unchanged."""
-
-
-@sharding_rule(RECOMPUTABLE_OUTPUT)
-def _recomputable_output_sharding(
-    y: Any, x: Any, rstd: Any, weight: Any, offset: float, casting: str
-) -> list[Strategy]:
-    """Token rows (dim 0 of y, x and rstd) sharded, the weight replicated; or everything replicated."""
-    from torch.distributed.tensor import Shard
-
-    inputs = (y, x, rstd, weight)
-    return [replicated(1, inputs), ([Shard(0)], shard_inputs(0, inputs, (True, True, True, False)))]
-
-
-register_sharding_rules()  # the op modules' rules are registered at import of inductor_ext.ops, before this one
 
 
 def mark_recompute(gm: GraphModule, forwards: tuple[OpOverload, ...]) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import triton
 from torch import Tensor
+from torch._ops import OpOverload
 
 from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
@@ -64,6 +65,43 @@ def rms_norm_output(x: Tensor, rstd: Tensor, weight: Tensor | None, offset: floa
     ``y = scale(x * rstd)``. The backend recomputes norm outputs in the backward with it."""
     y = _scale_math(x.float() * rstd.unsqueeze(-1), x.dtype, weight, offset, casting)
     return y.to(_out_dtype(x, weight, casting))
+
+
+@torch.library.custom_op("fastops::recomputable_norm_output", mutates_args=())
+def _recomputable_norm_output(
+    y: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, casting: str
+) -> Tensor:
+    """``y`` (a copy: the marker only runs if a graph keeps it, which the pass's later stages prevent)."""
+    return y.clone()
+
+
+@_recomputable_norm_output.register_fake
+def _(y: Tensor, x: Tensor, rstd: Tensor, weight: Tensor | None, offset: float, casting: str) -> Tensor:
+    return torch.empty_like(y)
+
+
+def _recomputable_norm_output_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return grad, None, None, None, None, None
+
+
+_recomputable_norm_output.register_autograd(_recomputable_norm_output_backward)
+
+RECOMPUTABLE_OUTPUT: OpOverload = torch.ops.fastops.recomputable_norm_output.default
+"""``fastops::recomputable_norm_output(y, x, rstd, weight, offset, casting) -> y``: ``y`` is
+``rms_norm_output(x, rstd, weight, offset, casting)``; its gradient passes to ``y`` unchanged. A marker
+of the backend's norm-recompute pass (:mod:`inductor_ext.inductor.recompute`), which removes it before
+Inductor compiles a graph."""
+
+
+@sharding_rule(RECOMPUTABLE_OUTPUT)
+def _recomputable_output_sharding(
+    y: Any, x: Any, rstd: Any, weight: Any, offset: float, casting: str
+) -> list[Strategy]:
+    """Token rows (dim 0 of y, x and rstd) sharded, the weight replicated; or everything replicated."""
+    from torch.distributed.tensor import Shard
+
+    inputs = (y, x, rstd, weight)
+    return [replicated(1, inputs), ([Shard(0)], shard_inputs(0, inputs, (True, True, True, False)))]
 
 
 def rms_norm_fwd_math(
