@@ -18,7 +18,7 @@ What is measured:
     Then every config of each of our autotuned kernels is timed the same way with the config
     forced (:func:`inductor_ext.library.launch_controls.force_launch_config`): the config Triton's
     autotuner picked while tuning over the fastest one's, flagged above 1.03.
-(c) **Warm vs cold compile** of one Llama-8B-sized decoder layer (:mod:`inductor_ext.bench.llama`,
+(c) **Warm vs cold compile** of one Llama-8B-sized decoder layer (:mod:`benchmarks.llama_style`,
     bf16, inference forward on 1 × 2048 tokens): ``torch.compile(backend="fastops_inductor")``
     with ``cpp_wrapper`` (the HF-spelled layer, which the backend rewrites) and
     :func:`inductor_ext.export` (the fastops-spelled layer: export applies no rewrites; the calls
@@ -59,10 +59,10 @@ from benchmarks.harness import (
     run_child,
     show_route_timing,
 )
+from benchmarks.llama_style import LlamaStyleDecoder
 from inductor_ext.autotune.calls import OpCall
 from inductor_ext.autotune.trace import calls_from_hf_config
 from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.bench.llama import LlamaStyleDecoder
 from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.library.launch import candidate_configs, tuned_launch_config

@@ -1,6 +1,6 @@
 """``python -m benchmarks backend [--out DIR] [--layers 4] [--hidden 4096] [--batch 2] [--seq 2048]
 [--no-compile-times | --compile-times-only] [--compile-providers PROVIDER ...]``:
-an unmodified (HF-spelled) Llama-style decoder stack (:mod:`inductor_ext.bench.llama`), bf16,
+an unmodified (HF-spelled) Llama-style decoder stack (:mod:`benchmarks.llama_style`), bf16,
 forward+backward, side by side: eager, ``torch.compile`` default, and
 ``torch.compile(backend="fastops_inductor")`` with each route (``auto``, ``kernel``, ``inductor``).
 
@@ -43,7 +43,7 @@ from benchmarks.harness import (
     run_child,
     show_route_timing,
 )
-from inductor_ext.bench.llama import LlamaStyleDecoder
+from benchmarks.llama_style import LlamaStyleDecoder
 from inductor_ext.inductor.options import ROUTES
 
 

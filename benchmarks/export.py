@@ -1,5 +1,5 @@
 """``python -m benchmarks.export [--out DIR] [--layers 4] [--batch 4] [--seq 1024]``: a Llama-style
-decoder stack (:mod:`inductor_ext.bench.llama`, bf16, inference forward) exported with
+decoder stack (:mod:`benchmarks.llama_style`, bf16, inference forward) exported with
 :func:`inductor_ext.export`, side by side with eager, ``torch.compile`` and
 ``torch.compile(backend="fastops_inductor")``.
 
@@ -22,7 +22,7 @@ import torch
 
 import inductor_ext
 from benchmarks.harness import do_bench_median, model_bench_parser, parse_on_gpu, rel_err
-from inductor_ext.bench.llama import LlamaStyleDecoder
+from benchmarks.llama_style import LlamaStyleDecoder
 
 
 def main(argv: list[str] | None = None) -> int:

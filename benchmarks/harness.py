@@ -30,7 +30,6 @@ from inductor_ext.bench.harness import (
     kernel_us,
     kernel_us_by_class,
     print_child_result,
-    rel_err,
     run_child,
 )
 from inductor_ext.tuning.timing import capture_graph, graph_replay_ms, replay_ms
@@ -50,7 +49,15 @@ __all__ = [
     "print_child_result",
     "rel_err",
     "run_child",
-]  # shared with bench train/generate
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64 (an all-zero ``ref`` divides by 1e-30): the numerics check the
+    benchmarks print and the tests bound (a host sync)."""
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # shared with bench train/generate
+
 
 Inputs = dict[str, Any]
 

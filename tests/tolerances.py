@@ -8,6 +8,10 @@ the error of ``torch.compile`` of the reference instead).
 
 import torch
 
+from benchmarks.harness import rel_err
+
+__all__ = ["OUTPUT", "chunk_rounded_grad", "reduced_grad", "rel_err", "shifted_mean_output"]
+
 # per element: a handful of roundings of the output type
 OUTPUT = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
@@ -45,8 +49,3 @@ def shifted_mean_output(mean_over_std: float) -> float:
     centred value carries that error.
     """
     return OUTPUT[torch.float32] + 2 * mean_over_std * 2.0**-24
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -24,12 +24,6 @@ def package_version(package: str) -> str | None:
         return None
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64: the numerics check the benchmarks and sweeps print (a host sync)."""
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def fresh_cache_env(scratch: str, tuning_dir: str) -> dict[str, str]:
     """Environment for empty Inductor and Triton caches under ``scratch`` (nothing compiled before
     is reused) and the tuning database in ``tuning_dir``."""

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
-from inductor_ext.bench.harness import rel_err
+from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

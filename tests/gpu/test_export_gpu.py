@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.bench.llama import LlamaStyleDecoder
+from benchmarks.llama_style import LlamaStyleDecoder
 from inductor_ext.runtime.cpp_runner import run_package
 from tests.tolerances import rel_err
 

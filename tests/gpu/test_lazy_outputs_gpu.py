@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import inductor_ext  # noqa: F401
-from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
+from tests.tolerances import rel_err
 
 pytestmark = ISOLATED_CUDA_COMPILES
 

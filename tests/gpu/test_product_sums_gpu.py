@@ -8,8 +8,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import inductor_ext  # noqa: F401
-from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama, run_and_get_joined_code
+from tests.tolerances import rel_err
 
 pytestmark = ISOLATED_CUDA_COMPILES
 

@@ -14,9 +14,9 @@ import torch
 
 import inductor_ext  # noqa: F401
 from inductor_ext import models
-from inductor_ext.bench.harness import rel_err
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
 from tests.inductor.test_recompute import marked_output_bytes
+from tests.tolerances import rel_err
 
 pytestmark = ISOLATED_CUDA_COMPILES
 

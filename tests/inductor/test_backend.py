@@ -677,7 +677,7 @@ def test_layer_norm_is_rewritten(affine):
 def test_hf_spelled_decoder_stack_is_rewritten_and_matches_the_fastops_spelling():
     """The model of ``python -m inductor_ext.bench backend``: every norm, RoPE and MLP of the
     unmodified (HF-spelled) stack becomes a fastops op, and it computes what the fastops spelling does."""
-    from inductor_ext.bench.llama import LlamaStyleDecoder
+    from benchmarks.llama_style import LlamaStyleDecoder
 
     config = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 96, "layers": 2, "max_positions": 64}
     hf = LlamaStyleDecoder(**config, spelling="hf")
