@@ -1,29 +1,42 @@
 """Rewrites of common PyTorch spellings into fastops ops, on the Dynamo (torch-level) graph.
 
-The backend runs every registered rewrite over the graph Dynamo hands it, before
-AOTAutograd: a rewritten call becomes a fastops forward op, so AOTAutograd
-differentiates it with the op's registered backward, and forward and backward both
-run on the fastops ops (then on our kernels or Inductor's code, per the route).
+The backend runs every rewrite of :data:`REWRITES`, in its order, over the graph Dynamo hands it,
+before AOTAutograd: a rewritten call becomes a fastops forward op, so AOTAutograd differentiates it
+with the op's registered backward, and forward and backward both run on the fastops ops (then on
+our kernels or Inductor's code, per the route).
 
-One module per family: :mod:`.norms` (HF Llama and Gemma RMSNorm, ``torch.rms_norm``, a
-residual add into an RMSNorm, LayerNorm), :mod:`.glu` (SwiGLU/GeGLU), :mod:`.cross_entropy`,
-:mod:`.rope`, :mod:`.embedding`; :mod:`.registry` holds the registry (:func:`register_rewrite`,
-:func:`apply_rewrites`) and the builders they share, :mod:`inductor_ext.inductor.graph_queries`
-the graph queries. The rewrites apply in the order the modules are imported below. Matching is
-structural and conservative: anything unexpected (another reduction dim, a tensor eps, a weight
-of another shape) leaves the graph unchanged.
+One module per family: :mod:`.norms` (HF Llama and Gemma RMSNorm, ``torch.rms_norm``, a residual
+add into an RMSNorm, LayerNorm), :mod:`.glu` (SwiGLU/GeGLU), :mod:`.cross_entropy`, :mod:`.rope`,
+:mod:`.embedding`; each rewrite is the function of its name there. :mod:`.registry` runs them
+(:func:`~.registry.run_rewrites`) and holds the builders they share,
+:mod:`inductor_ext.inductor.graph_queries` the graph queries. Matching is structural and
+conservative: anything unexpected (another reduction dim, a tensor eps, a weight of another shape)
+leaves the graph unchanged.
 """
 
-# Import order is rewrite order (kept as before the split): the norms first (add_rms_norm rewrites the
-# RMSNorm rewrites' output), then GLU, cross-entropy, RoPE, the embedding.
-# isort: off
-from inductor_ext.inductor.rewrites import norms  # noqa: F401  registers its rewrites
-from inductor_ext.inductor.rewrites import glu  # noqa: F401  registers its rewrite
-from inductor_ext.inductor.rewrites import cross_entropy  # noqa: F401  registers its rewrite
-from inductor_ext.inductor.rewrites import rope  # noqa: F401  registers its rewrite
-from inductor_ext.inductor.rewrites import embedding  # noqa: F401  registers its rewrite
+from torch.fx import GraphModule
 
-# isort: on
-from inductor_ext.inductor.rewrites.registry import REWRITES, Rewrite, apply_rewrites, register_rewrite
+from inductor_ext.inductor.rewrites import cross_entropy, embedding, glu, norms, rope
+from inductor_ext.inductor.rewrites.registry import Rewrite, run_rewrites
 
-__all__ = ["REWRITES", "Rewrite", "apply_rewrites", "register_rewrite"]
+REWRITES: dict[str, Rewrite] = {
+    # the norms first: add_rms_norm fuses a residual add into the norm the rewrites above it produced
+    "rms_norm_hf_llama": norms.rms_norm_hf_llama,
+    "rms_norm_gemma": norms.rms_norm_gemma,
+    "rms_norm_torch": norms.rms_norm_torch,
+    "add_rms_norm": norms.add_rms_norm,
+    "layer_norm": norms.layer_norm,
+    "glu": glu.glu,
+    "cross_entropy": cross_entropy.cross_entropy,
+    "rope_hf": rope.rope_hf,
+    "embedding": embedding.embedding,
+}
+"""Every rewrite the backend runs, by name (its counter is ``rewrite_<name>``), in the order it runs."""
+
+
+def apply_rewrites(gm: GraphModule) -> dict[str, int]:
+    """Run :data:`REWRITES` over ``gm`` (in place); how many of each applied."""
+    return run_rewrites(gm, REWRITES)
+
+
+__all__ = ["REWRITES", "Rewrite", "apply_rewrites"]

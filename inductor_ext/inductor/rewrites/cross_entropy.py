@@ -6,7 +6,7 @@ import torch
 from torch.fx import Graph, Node
 
 from inductor_ext.inductor.graph_queries import dtype_cast, is_call, value, with_value
-from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, register_rewrite
+from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 
 
@@ -29,8 +29,7 @@ def _before_upcast(logits: Node) -> Node:
     return with_value(logits.graph.call_method("reshape", (cast[0], *shape)))
 
 
-@register_rewrite("cross_entropy")
-def _cross_entropy(node: Node) -> Node | None:
+def cross_entropy(node: Node) -> Node | None:
     """``F.cross_entropy(logits (N, V), labels (N,), ...)`` without class weights (HF ``ForCausalLMLoss``
     ends in it). An fp32 upcast of 16-bit logits is absorbed: the op computes in fp32 anyway."""
     if not is_call(node, (torch.nn.functional.cross_entropy,)):

@@ -8,14 +8,13 @@ import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from inductor_ext.inductor.graph_queries import is_call, value, with_value
-from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, register_rewrite
+from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS
 from inductor_ext.ops.embedding import embedding_family
 
 _PARAMETERS = list(inspect.signature(F.embedding).parameters)
 
 
-@register_rewrite("embedding")
-def _embedding(node: Node) -> Node | None:
+def embedding(node: Node) -> Node | None:
     """``F.embedding(ids, weight, padding_idx)`` with a trainable 2-D weight, no ``max_norm``, no
     ``scale_grad_by_freq``, dense gradients, int64 ids (a frozen weight has no backward to speed up)."""
     if not is_call(node, (F.embedding,)) or len(node.args) > len(_PARAMETERS):

@@ -6,7 +6,7 @@ import torch
 from torch.fx import Node
 
 from inductor_ext.inductor.graph_queries import MUL, binary_operands, is_call, value
-from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, insert_rows_call, register_rewrite
+from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, insert_rows_call
 from inductor_ext.ops.glu import glu_family
 
 
@@ -21,8 +21,7 @@ def _glu_activation(node: Any) -> tuple[Any, str] | None:
     return None
 
 
-@register_rewrite("glu")
-def _glu(node: Node) -> Node | None:
+def glu(node: Node) -> Node | None:
     """``act(gate) * up`` (either order) with act SiLU (SwiGLU: HF ``LlamaMLP``) or GELU (GeGLU)."""
     operands = binary_operands(node, MUL, "mul")
     if operands is None:

@@ -19,7 +19,7 @@ from inductor_ext.inductor.graph_queries import (
     value,
     with_value,
 )
-from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, insert_rows_call, register_rewrite, rows_2d
+from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, insert_rows_call, rows_2d
 from inductor_ext.ops.layer_norm import layer_norm_family
 from inductor_ext.ops.rms_norm import add_rms_norm_family, rms_norm_family
 
@@ -87,8 +87,7 @@ def _weight_multiply(node: Node, operand: Node, x: Node) -> bool:
     return _is_weight_for(other, x)
 
 
-@register_rewrite("rms_norm_hf_llama")
-def _hf_llama(node: Node) -> Node | None:
+def rms_norm_hf_llama(node: Node) -> Node | None:
     """HF ``LlamaRMSNorm``: ``w * (h * rsqrt(mean(h**2) + eps)).to(x.dtype)`` (also without ``w``)."""
     cast = dtype_cast(node)
     weight = None
@@ -116,8 +115,7 @@ def _hf_llama(node: Node) -> Node | None:
     return insert_rows_call(node, rms_norm_family, [x], (weight, eps, 0.0, "llama"), x)
 
 
-@register_rewrite("rms_norm_gemma")
-def _gemma(node: Node) -> Node | None:
+def rms_norm_gemma(node: Node) -> Node | None:
     """HF ``GemmaRMSNorm``: ``(normed * (1.0 + w.float())).type_as(x)`` (any constant offset)."""
     cast = dtype_cast(node)
     if cast is None:
@@ -143,8 +141,7 @@ def _gemma(node: Node) -> Node | None:
     return None
 
 
-@register_rewrite("rms_norm_torch")
-def _torch_rms_norm(node: Node) -> Node | None:
+def rms_norm_torch(node: Node) -> Node | None:
     """``torch.rms_norm`` / ``F.rms_norm`` / ``nn.RMSNorm`` over the last dim (normalise in fp32,
     cast to x's dtype, multiply by the weight: the llama casting)."""
     if not is_call(node, (torch.rms_norm, torch.nn.functional.rms_norm)):
@@ -175,8 +172,7 @@ def _torch_rms_norm(node: Node) -> Node | None:
     return insert_rows_call(node, rms_norm_family, [x], (weight, float(eps), 0.0, "llama"), x)
 
 
-@register_rewrite("add_rms_norm")
-def _add_rms_norm(node: Node) -> Node | None:
+def add_rms_norm(node: Node) -> Node | None:
     """A residual add feeding an RMSNorm (rewritten by the rewrites above), ``norm(h)`` with
     ``h = x + r`` also used elsewhere (the residual stream) -> ``add_rms_norm_fwd(x, r)``, whose
     sum output replaces h everywhere: the add runs inside the norm's kernel, forward and backward.
@@ -215,8 +211,7 @@ def _add_rms_norm(node: Node) -> Node | None:
 # ---------------------------------------------------------------- LayerNorm
 
 
-@register_rewrite("layer_norm")
-def _layer_norm(node: Node) -> Node | None:
+def layer_norm(node: Node) -> Node | None:
     """``F.layer_norm`` / ``torch.layer_norm`` / ``nn.LayerNorm`` over the last dim, parameters of x's dtype."""
     if not is_call(node, (torch.nn.functional.layer_norm, torch.layer_norm)):
         return None

@@ -1,13 +1,13 @@
-"""The rewrite registry, and the graph-building helpers the rewrite families share.
+"""What a rewrite is, how rewrites run, and the graph-building helpers the rewrite families share.
 
 A rewrite is a function ``(node) -> Node | None``: given a candidate output node, it either
-builds the replacement (inserted before ``node``) and returns it, or returns None. Register one
-with :func:`register_rewrite`; :func:`apply_rewrites` runs them in registration order (the
-order :mod:`inductor_ext.inductor.rewrites` imports the family modules in).
+builds the replacement (inserted before ``node``) and returns it, or returns None.
+:func:`run_rewrites` runs an ordered set of them (:data:`inductor_ext.inductor.rewrites.REWRITES`
+declares the backend's).
 """
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,27 +19,15 @@ from inductor_ext.library.registration import OpFamily
 
 Rewrite = Callable[[Node], Node | None]
 
-REWRITES: dict[str, Rewrite] = {}
-"""Rewrite name -> rewrite, applied in registration order."""
-
 SUPPORTED_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 """The floating dtypes the fastops ops take."""
 
 
-def register_rewrite(name: str) -> Callable[[Rewrite], Rewrite]:
-    """Register the decorated rewrite under ``name`` (its counter is ``rewrite_<name>``)."""
-
-    def register(rewrite: Rewrite) -> Rewrite:
-        REWRITES[name] = rewrite
-        return rewrite
-
-    return register
-
-
-def apply_rewrites(gm: GraphModule) -> dict[str, int]:
-    """Rewrite every match in ``gm`` (in place); returns how many of each rewrite applied."""
-    applied = dict.fromkeys(REWRITES, 0)
-    for name, rewrite in REWRITES.items():
+def run_rewrites(gm: GraphModule, rewrites: Mapping[str, Rewrite]) -> dict[str, int]:
+    """Rewrite every match in ``gm`` (in place), each rewrite over the whole graph in ``rewrites``' order;
+    returns how many of each applied (counter ``rewrite_<name>``)."""
+    applied = dict.fromkeys(rewrites, 0)
+    for name, rewrite in rewrites.items():
         for node in list(gm.graph.nodes):
             if node.graph is not gm.graph or node.op not in ("call_function", "call_method") or not node.users:
                 continue  # erased, or already replaced by a rewrite that covered two outputs

@@ -7,7 +7,7 @@ import torch
 from torch.fx import Graph, Node
 
 from inductor_ext.inductor.graph_queries import ADD, MUL, binary_operands, is_call, value, with_value
-from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS, register_rewrite
+from inductor_ext.inductor.rewrites.registry import SUPPORTED_FLOATS
 from inductor_ext.ops.rope import rope_family
 
 
@@ -65,8 +65,7 @@ def _rotary(node: Node) -> tuple[Any, Any, Any, int, Any] | None:
     return None
 
 
-@register_rewrite("rope_hf")
-def _rope(node: Node) -> Node | None:
+def rope_hf(node: Node) -> Node | None:
     """HF ``apply_rotary_pos_emb``: the q and k rotations sharing one cos/sin pair become one op call.
 
     A rotation whose partner is not found (only q rotated, other tables) is left alone.
