@@ -2,7 +2,7 @@
 
 On the graph Dynamo hands over (:class:`.recipe.CompileRecipe`, the same recipe as exports'), then Inductor:
 
-1. the registered passes of the ``"dynamo"`` stage, in order (:mod:`.pipeline`, :mod:`.passes`):
+1. the passes of the ``"dynamo"`` stage, in order (:mod:`.pipeline`, :mod:`.passes`):
    attention masks proven causal or packed-document, shape calls in one form, common spellings
    rewritten into fastops ops, norm outputs marked for recomputation, widening linear outputs
    returned lazily;

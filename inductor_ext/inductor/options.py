@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from inductor_ext.env import env_flag
-from inductor_ext.inductor import passes as _passes  # noqa: F401  (registers the passes)
-from inductor_ext.inductor.pipeline import PASSES
+from inductor_ext.inductor.passes import PASSES
 
 ROUTES = ("auto", "kernel", "inductor")
 
@@ -60,15 +59,15 @@ class BackendOptions:
     cpp_wrapper: bool = False
     assume_no_padding: bool = False
     passes: tuple[str, ...] = tuple(sorted(name for name, graph_pass in PASSES.items() if graph_pass.default))
-    """The registered passes that run (sorted: the compile caches' key holds this object's repr)."""
+    """The passes that run (sorted: the compile caches' key holds this object's repr)."""
 
     def route_for(self, family: str) -> str:
         return dict(self.routes).get(family, self.default_route)
 
     def runs(self, name: str) -> bool:
-        """Whether the registered pass ``name`` runs."""
+        """Whether the pass ``name`` runs."""
         if name not in PASSES:
-            raise KeyError(f"no graph pass named {name!r}; registered: {sorted(PASSES)}")
+            raise KeyError(f"no graph pass named {name!r}; the passes: {list(PASSES)}")
         return name in self.passes
 
     def inductor_patches(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The one graph pipeline: every optimisation of a graph is a registered :class:`GraphPass`.
+"""The one graph pipeline: every optimisation of a graph is a :class:`~.pass_types.GraphPass` of
+:data:`~.passes.PASSES`, run here.
 
 A pass declares its name, the stages it runs in, its default and the measured reason it exists; from
 that one declaration come its backend option (``fastops.<name>``), its environment variable
@@ -14,72 +15,25 @@ that one declaration come its backend option (``fastops.<name>``), its environme
 - ``"post_grad"``: Inductor's post-grad graphs (forward and backward), in the backend and in exports,
   through :class:`InductorPasses` as Inductor's ``post_grad_custom_post_pass``.
 
-Passes register in :mod:`inductor_ext.inductor.passes`, in the order they run.
+Passes are declared in :mod:`inductor_ext.inductor.passes`, in the order they run.
 """
 
-import dataclasses
-from collections.abc import Callable, Collection, Iterator
-from typing import Any, Literal
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import torch
 from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_ext.inductor.cache_key import cache_key
+from inductor_ext.inductor.pass_types import STAGES, GraphPass, PassContext, Stage
+from inductor_ext.inductor.passes import PASSES
 
-Stage = Literal["dynamo", "export", "joint", "post_grad"]
-STAGES: tuple[Stage, ...] = ("dynamo", "export", "joint", "post_grad")
 INDUCTOR_SLOTS: dict[Stage, str] = {"joint": "joint_custom_post_pass", "post_grad": "post_grad_custom_post_pass"}
 """The stages Inductor runs, by the config entry that holds each one's pass."""
 
-
-@dataclasses.dataclass
-class PassContext:
-    """What a pass may read besides its graph: the compile's options, the example inputs (the Dynamo
-    stage), and what a pass leaves for the caller (``lazy_outputs``, for the compiled function)."""
-
-    options: Any  # inductor_ext.inductor.options.BackendOptions (which imports this module)
-    example_inputs: tuple[Any, ...] = ()
-    lazy_outputs: list[Any] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphPass:
-    """One registered pass. ``run(graph_module_or_graph, context)``: a ``GraphModule`` in the
-    ``"dynamo"`` and ``"export"`` stages, an ``fx.Graph`` in ``"joint"`` and ``"post_grad"``."""
-
-    name: str
-    stages: tuple[Stage, ...]
-    default: bool
-    reason: str
-    """Why the pass exists, with the number that measured it."""
-    run: Callable[[Any, PassContext], object]
-    option: bool = True
-    """Whether users can turn it off or on (``fastops.<name>``); False: it always runs."""
-
-    @property
-    def env_var(self) -> str:
-        return f"INDUCTOR_EXT_{self.name.upper()}"
-
-
-PASSES: dict[str, GraphPass] = {}
-"""Name -> pass, in the order they run."""
-
-
-def register_pass(
-    name: str, *, stages: tuple[Stage, ...], default: bool, reason: str, option: bool = True
-) -> Callable[[Callable[[Any, PassContext], object]], Callable[[Any, PassContext], object]]:
-    """Register the decorated function as the pass ``name`` (see :class:`GraphPass`)."""
-    if unknown := set(stages) - set(STAGES):
-        raise ValueError(f"register_pass: unknown stages {sorted(unknown)} for {name!r}")
-
-    def register(run: Callable[[Any, PassContext], object]) -> Callable[[Any, PassContext], object]:
-        if name in PASSES:
-            raise ValueError(f"register_pass: {name!r} is registered twice")
-        PASSES[name] = GraphPass(name, stages, default, reason, run, option)
-        return run
-
-    return register
+__all__ = ["INDUCTOR_SLOTS", "PASSES", "PASS_TIMER_PREFIX", "STAGES", "GraphPass", "InductorPasses", "PassContext",
+           "Stage", "passes_of", "run_stage"]  # fmt: skip
 
 
 def passes_of(stage: Stage, enabled: Collection[str]) -> Iterator[GraphPass]:

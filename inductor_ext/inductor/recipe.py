@@ -1,5 +1,5 @@
 """One compile's recipe, the same for the ``fastops_inductor`` backend and for exports: parse the options,
-run the registered passes of the graph's stage, plan each fastops call's route, and build Inductor's config
+run the passes of the graph's stage, plan each fastops call's route, and build Inductor's config
 patches with the ``"joint"`` and ``"post_grad"`` stages installed (:mod:`inductor_ext.inductor.pipeline`)."""
 
 import contextlib

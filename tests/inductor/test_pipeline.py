@@ -11,7 +11,8 @@ from torch._dynamo.utils import counters
 import inductor_ext
 from inductor_ext.inductor import cache_key
 from inductor_ext.inductor.options import OPTION_NAMES, SETTINGS, parse_options
-from inductor_ext.inductor.pipeline import PASSES, STAGES, register_pass
+from inductor_ext.inductor.pass_types import GraphPass, in_order
+from inductor_ext.inductor.pipeline import PASSES, STAGES
 from tests.inductor.test_backend import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +31,10 @@ def test_every_pass_declares_stages_a_default_and_a_measured_reason():
         flipped = not PASSES[name].default
         assert parse_options({f"fastops.{name}": flipped}, env={})[0].runs(name) is flipped
         assert parse_options(None, env={PASSES[name].env_var: str(int(flipped))})[0].runs(name) is flipped
-    with pytest.raises(ValueError, match="registered twice"):
-        register_pass("causal_mask", stages=("dynamo",), default=True, reason="1")(lambda gm, context: None)
+    with pytest.raises(ValueError, match="two passes named 'causal_mask'"):
+        in_order(PASSES["causal_mask"], PASSES["patterns"], PASSES["causal_mask"])
+    with pytest.raises(ValueError, match="unknown stages"):
+        GraphPass("late", ("pre_grad",), True, "1", lambda gm, context: None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown options"):
         parse_options({"fastops.canonical_shapes": False}, env={})  # always runs: no option
 
