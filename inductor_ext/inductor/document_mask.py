@@ -31,18 +31,17 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from inductor_ext.inductor.causal_mask import (
-    SDPA_TARGETS,
+from inductor_ext.inductor.graph_queries import ancestors, eliminate_dead_code, is_metadata_read, is_random, value
+from inductor_ext.inductor.sdpa_masks import (
     NotCausal,
     allowed_positions,
     check_no_side_effects,
     concrete,
     evaluate,
-    sdpa_arguments,
+    masked_sdpa_calls,
     size_assignments,
     ungroup_repeated_kv,
 )
-from inductor_ext.inductor.graph_queries import ancestors, eliminate_dead_code, is_metadata_read, is_random, value
 from inductor_ext.ops.document_attention import document_causal_attention, document_causal_mask_ref
 
 SAMPLES_PER_SIZE = 12
@@ -61,20 +60,12 @@ class DocumentMaskRewrites:
 def rewrite_document_masks(gm: GraphModule) -> DocumentMaskRewrites:
     """Rewrite, in place, each SDPA call of ``gm`` whose mask is provably ``document_causal`` (module docstring)."""
     result = DocumentMaskRewrites()
-    proofs: dict[tuple[Node, str], Node | NotCausal] = {}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA_TARGETS:
-            continue
-        args = sdpa_arguments(node)
-        if args is None or args["attn_mask"] is None or args["is_causal"] is not False:
-            continue
-        key = (args["attn_mask"], str(value(args["query"]).shape[-2]))
-        if key not in proofs:
-            try:
-                proofs[key] = _prove_document_causal(gm, node, args)
-            except NotCausal as reason:
-                proofs[key] = reason
-        positions = proofs[key]
+    calls = masked_sdpa_calls(
+        gm,
+        key=lambda args: (args["attn_mask"], str(value(args["query"]).shape[-2])),
+        prove=lambda node, args: _prove_document_causal(gm, node, args),
+    )
+    for node, args, positions in calls:
         if isinstance(positions, NotCausal):
             result.kept[node.name] = str(positions)
             continue

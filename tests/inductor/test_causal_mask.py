@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from inductor_ext.inductor.causal_mask import SDPA_TARGETS, rewrite_causal_masks
+from inductor_ext.inductor.causal_mask import rewrite_causal_masks
+from inductor_ext.inductor.sdpa_masks import SDPA_TARGETS
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 import transformers
 from torch._dynamo.utils import counters
 
-from inductor_ext.inductor.causal_mask import SDPA_TARGETS, rewrite_causal_masks
+from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.document_mask import rewrite_document_masks
+from inductor_ext.inductor.sdpa_masks import SDPA_TARGETS
 from inductor_ext.ops.document_attention import document_causal_attention, document_ids
 from tests.packed_positions import packed_positions
 
