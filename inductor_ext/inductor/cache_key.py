@@ -4,8 +4,9 @@ Inductor's FX graph cache does not hash registered lowerings, and the AOTAutogra
 the traced op bodies' route decisions: both would serve a graph compiled under other rules. Both hash
 the ``uuid()`` of our joint and post-grad custom passes (:class:`inductor_ext.inductor.pipeline.InductorPasses`),
 which is :func:`cache_key`: the package version, the code of every module that decides what gets traced
-(ops, kernels, passes, route choice, options, tuning) and the compile's own state. The code is hashed
-as its syntax tree without docstrings, so an edit of a comment or a docstring keeps users' caches.
+or generated (ops, kernels, passes, route choice, options, tuning, the patches of torch our compiles
+apply) and the compile's own state. The code is hashed as its syntax tree without docstrings, so an
+edit of a comment or a docstring keeps users' caches.
 """
 
 import ast
@@ -16,7 +17,7 @@ from pathlib import Path
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_VERSIONED_DIRS = ("library", "ops", "kernels", "inductor", "tuning", "autotune")
+_VERSIONED_DIRS = ("library", "ops", "kernels", "inductor", "tuning", "autotune", "_compat")
 
 
 def code_fingerprint(source: str) -> str:
