@@ -10,6 +10,7 @@ below are the others. :func:`options_table` renders all of them for docs/backend
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,15 @@ SETTINGS: dict[str, tuple[str, str]] = {
 
 OPTION_NAMES = (*SETTINGS, *(name for name, graph_pass in PASSES.items() if graph_pass.option))
 """Our options, each spelled ``fastops.<name>`` in ``options``."""
+
+DEPRECATED_PASS_OPTIONS = ("causal_mask", "lazy_linear_outputs", "accumulate_products")
+"""Exact passes that were options and now always run: the option (and its ``INDUCTOR_EXT_<NAME>`` variable)
+is still honoured, with a ``FutureWarning``, until the next release removes it."""
+
+PASSES_OFF = "_passes_off"
+"""For tests and benchmarks that measure a pass against its absence, not a user option: ``fastops._passes_off``,
+the names of passes not to run, or in the environment ``INDUCTOR_EXT_PASSES_OFF``, a comma-separated list."""
+PASSES_OFF_ENV = "INDUCTOR_EXT_PASSES_OFF"
 _PREFIX = "fastops."
 
 
@@ -98,7 +108,7 @@ def parse_options(
         )
     options = dict(options or {})
     ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if isinstance(k, str) and k.startswith(_PREFIX)}
-    unknown = set(ours) - set(OPTION_NAMES)
+    unknown = set(ours) - set(OPTION_NAMES) - set(DEPRECATED_PASS_OPTIONS) - {PASSES_OFF}
     if unknown:
         known = ", ".join(_PREFIX + k for k in OPTION_NAMES)
         raise ValueError(f"fastops_inductor: unknown options {sorted(_PREFIX + k for k in unknown)}; known: {known}")
@@ -119,12 +129,30 @@ def parse_options(
         if (name == "assume_no_padding" or name in PASSES) and not isinstance(value, bool):
             raise TypeError(f"fastops_inductor: fastops.{name} must be True or False, got {value!r}")
     assume_no_padding = ours.get("assume_no_padding", env_flag(env, "INDUCTOR_EXT_ASSUME_NO_PADDING", False))
+    for name in DEPRECATED_PASS_OPTIONS:
+        if name in ours or PASSES[name].env_var in env:
+            warnings.warn(
+                f"fastops_inductor: fastops.{name} (and {PASSES[name].env_var}) is deprecated and goes in the next "
+                "release: the pass is exact and always runs",
+                FutureWarning,
+                stacklevel=2,
+            )
+    off = {name.strip() for name in env.get(PASSES_OFF_ENV, "").split(",") if name.strip()}
+    named_off = ours.get(PASSES_OFF, ())
+    if isinstance(named_off, str) or not all(isinstance(name, str) for name in named_off):
+        raise TypeError(f"fastops_inductor: fastops.{PASSES_OFF} must be a tuple of pass names, got {named_off!r}")
+    off.update(named_off)
+    if unknown_off := sorted(str(name) for name in off - set(PASSES)):
+        raise ValueError(
+            f"fastops_inductor: passes turned off that do not exist: {unknown_off}; the passes: {list(PASSES)}"
+        )
     enabled = tuple(
         name
         for name, graph_pass in PASSES.items()
-        if (
+        if name not in off
+        and (
             ours.get(name, env_flag(env, graph_pass.env_var, graph_pass.default))
-            if graph_pass.option
+            if graph_pass.option or name in DEPRECATED_PASS_OPTIONS
             else graph_pass.default
         )
     )

@@ -31,7 +31,7 @@ def _steps(llama, *, lazy: bool, mode: str | None = None, use_logits: bool = Fal
     model, ids = llama
     torch._dynamo.reset()
     # torch.compile takes a mode or options, not both: the backend's options through the environment
-    with _environment(INDUCTOR_EXT_ROUTE="kernel", INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS=str(int(lazy))):
+    with _environment(INDUCTOR_EXT_ROUTE="kernel", INDUCTOR_EXT_PASSES_OFF="" if lazy else "lazy_linear_outputs"):
         return _run(torch.compile(model, backend="fastops_inductor", mode=mode), model, ids, mode, use_logits)
 
 

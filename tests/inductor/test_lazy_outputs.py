@@ -19,10 +19,19 @@ VOCAB, H, BATCH, SEQ = 1000, 64, 2, 32
 pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
-def test_option_defaults_on_and_is_set_by_option_or_environment():
+def test_the_pass_always_runs_unless_a_test_turns_it_off():
     assert parse_options(None, env={})[0].runs("lazy_linear_outputs")
-    assert not parse_options({"fastops.lazy_linear_outputs": False}, env={})[0].runs("lazy_linear_outputs")
-    assert not parse_options(None, env={"INDUCTOR_EXT_LAZY_LINEAR_OUTPUTS": "0"})[0].runs("lazy_linear_outputs")
+    assert not parse_options({"fastops._passes_off": ("lazy_linear_outputs",)}, env={})[0].runs("lazy_linear_outputs")
+    assert not parse_options(None, env={"INDUCTOR_EXT_PASSES_OFF": "lazy_linear_outputs"})[0].runs(
+        "lazy_linear_outputs"
+    )
+
+
+def test_a_former_option_is_honoured_with_a_deprecation_warning():
+    with pytest.warns(FutureWarning, match="fastops.lazy_linear_outputs .* is deprecated"):
+        assert not parse_options({"fastops.lazy_linear_outputs": False}, env={})[0].runs("lazy_linear_outputs")
+    with pytest.warns(FutureWarning, match="fastops.causal_mask .* is deprecated"):
+        assert not parse_options(None, env={"INDUCTOR_EXT_CAUSAL_MASK": "0"})[0].runs("causal_mask")
 
 
 def _llama(dtype=torch.float32):
@@ -37,7 +46,8 @@ def _llama(dtype=torch.float32):
 def _step(model, ids, *, lazy, use_logits=False, autocast=False):
     """One compiled forward and backward: (loss, logits, gradients, shapes of the zeros the backward's
     autograd node was handed for unused outputs, the logits' autograd node type)."""
-    compiled = torch.compile(model, backend="fastops_inductor", options={"fastops.lazy_linear_outputs": lazy})
+    options = {} if lazy else {"fastops._passes_off": ("lazy_linear_outputs",)}
+    compiled = torch.compile(model, backend="fastops_inductor", options=options)
     model.zero_grad(set_to_none=True)
     with (
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),

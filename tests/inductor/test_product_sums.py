@@ -14,13 +14,15 @@ from inductor_ext.ops.sum_of_products import sum_of_products
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
-OFF = {"fastops.accumulate_products": False}
+OFF = {"fastops._passes_off": ("accumulate_products",)}
 
 
-def test_option_defaults_on_and_is_turned_off_by_option_or_environment():
+def test_the_pass_always_runs_unless_a_test_turns_it_off():
     assert parse_options(None, env={})[0].runs("accumulate_products")
     assert not parse_options(OFF, env={})[0].runs("accumulate_products")
-    assert not parse_options(None, env={"INDUCTOR_EXT_ACCUMULATE_PRODUCTS": "0"})[0].runs("accumulate_products")
+    assert not parse_options(None, env={"INDUCTOR_EXT_PASSES_OFF": "accumulate_products"})[0].runs(
+        "accumulate_products"
+    )
 
 
 def _operands(dtype: torch.dtype, widths=(3, 16, 5)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
