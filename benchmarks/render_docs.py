@@ -160,12 +160,11 @@ def generate_section(name: str) -> str | None:
         row[f"b{b} x hf_compile"] = summary["x hf_compile"]
         row[f"b{b} of floor"] = summary["of floor"]
         row[f"b{b} prefill ms"] = summary["prefill ms"]
-    for provider, row in rows.items():
-        row["export s"] = next(r.get("export s") for r in data["summary"] if r["provider"] == provider)
-        row["command"] = f"`{base} --batches {batches} --providers {provider}`"
+    for summary in data["summary"]:  # after every batch's columns: the provider's export and command
+        rows[summary["provider"]].update({"export s": summary.get("export s"),
+                                          "command": f"`{base} --batches {batches} --providers {summary['provider']}`"})  # fmt: skip
     title = f"Generation: {meta['model']}, prompt {meta['prompt']} tokens, {meta['new']} new"
-    note = _software(meta) + "."
-    return _section(title, name, _table(list(rows.values())), note)
+    return _section(title, name, _table(list(rows.values())), _software(meta) + ".")
 
 
 # --- op micro-benchmarks -----------------------------------------------------------------------------------

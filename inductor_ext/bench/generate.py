@@ -134,7 +134,9 @@ def _export_settings(provider: str) -> dict[str, Any]:
             "decode_batch_sizes": () if frozen or provider.endswith("_dynamic") else (1,)}  # fmt: skip
 
 
-def _shared_export(model: Any, provider: str, args: argparse.Namespace, max_seq: int) -> tuple[Path, float, dict]:
+def _shared_export(
+    model: Any, provider: str, args: argparse.Namespace, max_seq: int
+) -> tuple[Path, float, dict[str, float]]:
     """The package for ``provider`` in ``args.packages`` (exported now unless a provider with the same
     settings exported it), the seconds its export took and, when this call exported it, the compile timers
     it advanced (:func:`inductor_ext.bench.compile_split.timer_seconds`: seconds per timer, the largest

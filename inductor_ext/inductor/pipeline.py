@@ -26,14 +26,11 @@ from torch._dynamo.utils import dynamo_timed
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from inductor_ext.inductor.cache_key import cache_key
-from inductor_ext.inductor.pass_types import STAGES, GraphPass, PassContext, Stage
+from inductor_ext.inductor.pass_types import GraphPass, PassContext, Stage
 from inductor_ext.inductor.passes import PASSES
 
 INDUCTOR_SLOTS: dict[Stage, str] = {"joint": "joint_custom_post_pass", "post_grad": "post_grad_custom_post_pass"}
 """The stages Inductor runs, by the config entry that holds each one's pass."""
-
-__all__ = ["INDUCTOR_SLOTS", "PASSES", "PASS_TIMER_PREFIX", "STAGES", "GraphPass", "InductorPasses", "PassContext",
-           "Stage", "passes_of", "run_stage"]  # fmt: skip
 
 
 def passes_of(stage: Stage, enabled: Collection[str]) -> Iterator[GraphPass]:

@@ -17,7 +17,8 @@ from torch._inductor.utils import run_and_get_code
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.options import BackendOptions, parse_options
-from inductor_ext.inductor.pipeline import InductorPasses, PassContext
+from inductor_ext.inductor.pass_types import PassContext
+from inductor_ext.inductor.pipeline import InductorPasses
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
 from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (

@@ -11,8 +11,8 @@ from torch._dynamo.utils import counters
 import inductor_ext
 from inductor_ext.inductor import cache_key
 from inductor_ext.inductor.options import OPTION_NAMES, SETTINGS, parse_options
-from inductor_ext.inductor.pass_types import GraphPass, in_order
-from inductor_ext.inductor.pipeline import PASSES, STAGES
+from inductor_ext.inductor.pass_types import STAGES, GraphPass, in_order
+from inductor_ext.inductor.passes import PASSES
 from tests.inductor.test_backend import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
