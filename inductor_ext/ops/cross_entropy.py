@@ -54,6 +54,7 @@ from inductor_ext.library.registration import (
     may_write_over_input,
 )
 from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule
+from inductor_ext.ops._arguments import check_real
 from inductor_ext.ops._layout import unit_last_stride
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -458,6 +459,10 @@ def check_loss_options(
         raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_real(op, "label_smoothing", label_smoothing)
+    check_real(op, "lse_square_scale", lse_square_scale)
+    if softcap is not None:
+        check_real(op, "softcap", softcap)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if not 0.0 <= lse_square_scale < float("inf"):
