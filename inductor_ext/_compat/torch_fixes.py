@@ -2,7 +2,7 @@
 bug and the versions it was seen in, and is installed only while our compiles run
 (:func:`inductor_ext._compat.applied`).
 
-**Multi-kernels loaded from the FX-graph cache crash** (torch 2.11 on the H200; the same code in
+**Multi-kernels loaded from the FX-graph cache crash** (torch 2.11 on CUDA; the same code in
 2.13). With the static Triton launcher (Inductor's default on CUDA), the kernels of a cached
 graph come back through ``codecache.StaticAutotunerFuture``, pickled with their
 ``JITFunction._hash_lock`` set to None (``CachingAutotuner.prepare_for_pickle``), and its
@@ -12,7 +12,7 @@ calls). A multi-kernel then reads its sub-kernels' ``fn.cache_key`` to find its 
 manager protocol``, and the second process that compiles the same graph under
 ``fastops_inductor`` (multi-kernel on by default) fails. The fix gives such kernels a fresh lock.
 
-**A lazily compiled backward loses the cpp_wrapper config** (torch 2.11 on the H200: an HF Llama
+**A lazily compiled backward loses the cpp_wrapper config** (torch 2.11 on CUDA: an HF Llama
 training step under ``torch.compile(..., options={"cpp_wrapper": True})`` failed with
 ``CudaKernelParamCache not populated for <the backward's first kernel>``, stock Inductor and
 ``fastops_inductor`` alike; fixed upstream in ``compile_fx_inner`` by
@@ -47,17 +47,17 @@ false for the outputs of those two higher-order ops, as the partitioner's own ru
 kernels does.
 
 **Inductor's peak-memory reordering frees a mutated graph input at its mutation** (torch 2.11 on
-the H200; the same code in 2.13). ``reorder_for_peak_memory`` models each graph input as freed after
+CUDA; the same code in 2.13). ``reorder_for_peak_memory`` models each graph input as freed after
 its last reader (``memory.get_freeable_input_buf``), but after a kernel mutates the input the
 scheduler renames later reads to the mutation's output buffer, a rename that allocates and frees
 nothing, and those reads are not traced back to the input (for a mutated *scheduler* buffer they are:
 ``mutation_real_name``, pytorch/pytorch#159569). Our backward kernels write their gradients over
-donated inputs (:mod:`inductor_ext.inductor.donated_buffers`), so the model saw no memory freed by
-the readers of those gradients and the least-peak-memory order ran them last: in a QLoRA backward
-under ``keep_lora_mlp_outputs`` (Llama-3.1-8B layer shape, 8 layers) the adapter-gradient GEMMs
-that read ``dgate``, ``dup`` and ``h`` moved to the end of the graph, every layer's 0.7 GiB of them
-stayed allocated, and the backward's peak was 11.67 GiB above the model against 6.00 GiB with the
-reordering off. The fix adds the readers of the input's mutations to its successors.
+donated inputs (:mod:`inductor_ext.inductor.donated_buffers`), so the model sees no memory freed by
+the readers of those gradients and the least-peak-memory order runs them last: in a QLoRA backward
+under ``keep_lora_mlp_outputs`` the adapter-gradient GEMMs that read ``dgate``, ``dup`` and ``h`` move
+to the end of the graph, every layer's ``dgate``, ``dup`` and ``h`` stay allocated at once, and the
+backward's peak ends far above its peak with the reordering off. The fix adds the readers of the
+input's mutations to its successors.
 """
 
 import functools

@@ -3,9 +3,9 @@
 Before Inductor compiles C++ (an AOTInductor package's wrapper, a ``cpp_wrapper`` graph's), it picks
 the host's vector ISA: ``torch._inductor.cpu_vec_isa.valid_vec_isa_list``, cached for the process,
 builds a small library for each ISA the CPU reports (AVX2, AVX-512 and its extensions, AMX) and
-loads it in a child Python. In torch 2.11 each child imports torch, seconds each on a GPU host, in
-every process, warm caches or cold: an export's first graph spends about 45 s in AOTInductor's
-compile outside its C++ compiles, where the probe runs (docs/export.md).
+loads it in a child Python. In torch 2.11 each child imports torch, which takes seconds on a GPU host,
+in every process, warm caches or cold: the probe runs inside AOTInductor's compile of an export's
+first graph, outside its C++ compiles (docs/export.md splits an export's time).
 
 The ISA selects the compiler flags and vector code of CPU kernels. A graph whose tensors are all on
 a GPU has none, so while our compiles run (:func:`inductor_ext._compat.applied`), such a graph sees

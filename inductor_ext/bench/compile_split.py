@@ -40,7 +40,7 @@ def timer_seconds() -> dict[str, float]:
 
 
 def compile_split(before: Mapping[str, float], after: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """The phases' seconds between two :func:`timer_seconds` snapshots (``after``: now), rounded to ms."""
+    """The phases' seconds between two :func:`timer_seconds` snapshots (``after``: now), rounded to milliseconds."""
     after = timer_seconds() if after is None else after
 
     def spent(*keys: str) -> float:

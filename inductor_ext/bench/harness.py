@@ -175,7 +175,7 @@ def kernel_us_by_class(kernels: Mapping[str, float]) -> dict[str, float]:
 
 
 def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) ms with CUDA events, via ``triton.testing.do_bench``."""
+    """(median, 20th, 80th percentile) milliseconds with CUDA events, via ``triton.testing.do_bench``."""
     import triton.testing
 
     qs = triton.testing.do_bench(fn, warmup=50, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
@@ -183,7 +183,7 @@ def do_bench_median(fn: Callable[[], Any], rep_ms: int = 200) -> tuple[float, fl
 
 
 def copy_bandwidth_gbps(gib: float = 2.0) -> float:
-    """Measured device-to-device copy bandwidth (read + write bytes), GB/s."""
+    """This device's device-to-device copy bandwidth, timed on the call (read + write bytes), in GB/s."""
     n = int(gib * 2**30) // 4
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)

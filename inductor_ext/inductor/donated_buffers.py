@@ -5,9 +5,9 @@ after the backward (``bw_donated_idxs``): Inductor may then reuse their memory. 
 kernels do: under ``torch.compile``, the cross-entropy backward of
 ``F.cross_entropy((h @ w.T).float(), y)`` writes the logits' gradient over the saved
 logits. Our kernels are user-defined Triton kernels that write into buffers their op
-allocated, so the saved inputs and their gradients were alive together: on the H200, at
-8192 x 2048 x 128256 (bf16), the backend's kernel route held 3.39 GiB above inputs and
-gradients against ``torch.compile``'s 1.96 (one 1.96 GiB logits tensor more). The SwiGLU/GeGLU
+allocated, so without this pass the saved inputs and their gradients are alive together: the
+cross-entropy backward on the kernel route holds one logits-sized tensor more than under
+``torch.compile``. The SwiGLU/GeGLU
 backward is the same case: its ``dgate`` and ``dup`` (``2 N I`` elements) were allocated beside the
 saved ``gate`` and ``up`` at the first layer the backward reaches, where a training step's peak is;
 so is the fused linear cross-entropy's backward, which scales the gradients its forward saved

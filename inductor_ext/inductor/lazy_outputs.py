@@ -6,10 +6,10 @@ compiles the training step into one autograd node whose backward takes a gradien
 output, and autograd's engine fills the gradients nobody gave with zeros: for the logits, ``N V`` zeros
 (2.1 GB at Llama-3.2-1B, 4 × 2048 tokens, bf16) written before the backward runs, then read by the compiled
 backward, which adds them to the loss's gradient of the logits (another ``N V`` write and two reads).
-That is about 8 GB moved for nothing, ~2 ms of a 120 ms step on the H200 (the unpatched step's profile
-shows a bf16 fill of 0.73 ms and a pointwise add of 1.43 ms, the times this fill, with the KV cache's
-zeros, and this add take at the copy bandwidth), and two ``N V`` buffers at the start of the backward. Stock ``torch.compile`` pays the same; eager autograd
-does not (the logits are the loss's input, one tensor with one gradient).
+That is about 8 GB moved for nothing (a fill kernel and a pointwise add in the step's profile) and two
+``N V`` buffers at the start of the backward: more GPU time and a higher peak than the step without them
+(docs/benchmarks/train_llama-3.2-1b_4x2048_lazy_outputs.json). Stock ``torch.compile`` pays the same;
+eager autograd does not (the logits are the loss's input, one tensor with one gradient).
 
 For each graph output ``y = linear(x, W, b)`` that the graph also reads (the loss), with ``W`` (and ``b``)
 graph inputs and more output features than input features, this pass returns ``y`` detached and ``x``

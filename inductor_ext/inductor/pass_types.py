@@ -31,7 +31,8 @@ class GraphPass:
     stages: tuple[Stage, ...]
     default: bool
     reason: str
-    """Why the pass exists, with the number that measured it."""
+    """Why the pass exists and is on by default: what it saves, in words, or a number together with the
+    ``docs/benchmarks/*.json`` file that holds it (the reason is a row of docs/backend.md's options table)."""
     run: Callable[[Any, PassContext], object]
     option: bool = True
     """Whether users can turn it off or on (``fastops.<name>``); False: it always runs."""

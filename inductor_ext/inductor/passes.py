@@ -2,9 +2,9 @@
 runs them).
 
 Each declaration binds one module's pass to the pipeline: the stages it runs in, its
-default, whether users can switch it, and the measured reason it exists. The numbers are training
-steps of the Llama-3.2-1B shape (bf16, 4 × 2048 tokens unless said) on one GPU, against the same step
-without the pass (docs/benchmarks.md).
+default, whether users can switch it, and the reason it exists. A reason that quotes a number names the
+committed benchmark file (``docs/benchmarks/*.json``) that holds it; the others say in words what the
+pass saves.
 """
 
 from typing import Any
@@ -70,7 +70,8 @@ PASSES = in_order(
         default=True,
         option=False,
         reason="traced, transformers materialises its causal mask and SDPA runs masked; proven causal, SDPA runs "
-        "with is_causal=True: attention 14.0 ms a step instead of 33.2 (H200)",
+        "with is_causal=True: attention 13.05 ms a step instead of 32.83 "
+        "(docs/benchmarks/train_llama-3.2-1b_4x2048_mask.json)",
         run=_causal_mask,
     ),
     GraphPass(
@@ -78,7 +79,7 @@ PASSES = in_order(
         stages=("dynamo", "export"),
         default=True,
         reason="packed rows: SDPA on the proven document mask becomes block-sparse FlexAttention: 67,668 tokens/s "
-        "against torch.compile's 35,789 (1.89x; 1 x 8192 tokens, H200)",
+        "against torch.compile's 35,789 (docs/benchmarks/train_llama-3.2-1b_1x8192_packed.json)",
         run=_document_mask,
     ),
     GraphPass(
@@ -87,7 +88,7 @@ PASSES = in_order(
         default=True,
         option=False,
         reason="flatten/view spellings of a reshape become reshape, so that every rewrite sees one spelling: "
-        "a norm written with flatten(0, -2) kept its residual add unfused (1.7 ms a step)",
+        "a norm written with flatten(0, -2) would keep its residual add unfused",
         run=_canonical_shapes,
     ),
     GraphPass(
@@ -95,15 +96,16 @@ PASSES = in_order(
         stages=("dynamo",),
         default=True,
         reason="common PyTorch/HF spellings become fastops ops, each call routed to the faster of our kernel and "
-        "Inductor's code: fwd+bwd 1.09-1.26x torch.compile for RMSNorm, 1.63-1.69x for cross-entropy (H200)",
+        "Inductor's code: fwd+bwd 1.10-1.26x torch.compile for RMSNorm (docs/benchmarks/rms_norm_bfloat16.json), "
+        "1.66x for cross-entropy (docs/benchmarks/cross_entropy_hf_loss_bfloat16.json)",
         run=_patterns,
     ),
     GraphPass(
         "recompute_norms",
         stages=("dynamo", "joint", "post_grad"),
         default=True,
-        reason="norm outputs that feed matrix products are recomputed in the backward, not saved: with every norm "
-        "of the step recomputed, 1.0 GiB less at the peak (16.92 against 17.92 GiB, H200)",
+        reason="norm outputs that feed matrix products are recomputed in the backward, not saved: one elementwise "
+        "kernel more per norm, and N H elements less held per norm (32 MiB at 8192 x 2048, bf16)",
         run=_recompute_norms,
     ),
     GraphPass(
@@ -112,7 +114,7 @@ PASSES = in_order(
         default=True,
         option=False,
         reason="HF's logits beside the loss get no zero gradient: 1.93 GiB less at the peak, 5.8 ms less GPU "
-        "time a step (H200)",
+        "time a step (docs/benchmarks/train_llama-3.2-1b_4x2048_lazy_outputs.json)",
         run=_lazy_linear_outputs,
     ),
     GraphPass(
@@ -120,7 +122,8 @@ PASSES = in_order(
         stages=("post_grad",),
         default=True,
         option=False,
-        reason="a backward's sum of matrix products is added in the GEMMs' epilogues: 2.2 ms less GPU time a step (H100)",
+        reason="a backward's sum of matrix products is added in the GEMMs' epilogues: 2.2 ms less GPU time a step "
+        "(docs/benchmarks/train_llama-3.2-1b_4x2048_gemm_levers_h100.json)",
         run=_accumulate_products,
     ),
     GraphPass(
@@ -128,8 +131,8 @@ PASSES = in_order(
         stages=("post_grad",),
         default=True,
         option=False,
-        reason="our backward kernels write their gradients over donated inputs instead of new buffers: the loss "
-        "held 1.96 GiB (one logits tensor) more than torch.compile without it (8192 x 2048 x 128256, H200)",
+        reason="our backward kernels write their gradients over donated inputs instead of new buffers: without it "
+        "the loss's backward holds one logits tensor more than torch.compile's (1.96 GiB at 8192 x 128256, bf16)",
         run=_donated_buffers,
     ),
 )

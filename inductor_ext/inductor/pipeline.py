@@ -1,7 +1,7 @@
 """The one graph pipeline: every optimisation of a graph is a :class:`~.pass_types.GraphPass` of
 :data:`~.passes.PASSES`, run here.
 
-A pass declares its name, the stages it runs in, its default and the measured reason it exists; from
+A pass declares its name, the stages it runs in, its default and the reason it exists; from
 that one declaration come its backend option (``fastops.<name>``), its environment variable
 (``INDUCTOR_EXT_<NAME>``) and its row of the options table in docs/backend.md
 (:mod:`inductor_ext.inductor.options`). Every entry point runs the same passes:

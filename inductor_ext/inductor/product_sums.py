@@ -3,8 +3,8 @@
 A tensor that feeds several linear layers gets, in the backward, the sum of their input gradients:
 ``dx = dq @ Wq + dk @ Wk + dv @ Wv`` for grouped-query attention's q/k/v, ``dgate @ Wg + dup @ Wu``
 for the MLP. Inductor computes each product into a buffer of its own and adds them in a pointwise
-kernel: at Llama-3.2-1B's shape (8192 tokens, bf16) the two sums read and write four and three
-``N H`` tensors, 0.86 ms a step on the H200 (two ``triton_poi_fused_add_view_*`` kernels a layer).
+kernel: the two sums read and write four and three ``N H`` tensors (two
+``triton_poi_fused_add_view_*`` kernels a layer).
 :func:`inductor_ext.ops.sum_of_products.sum_of_products` writes the first product and has cuBLAS add
 each further one to it in the GEMM's epilogue (``addmm_``): no sum kernel and no product held beside
 another, for one more read of the total by each GEMM after the first.
@@ -16,9 +16,9 @@ shape throughout (no broadcasting, no promotion). The product with the shortest 
 first: it is the one written; the others read the total in their epilogue, where a wider reduction
 hides the read better. Trees with any other term are left as they are.
 
-It runs in the ``"post_grad"`` stage (:mod:`.pipeline`) when the
-``fastops.accumulate_products`` option is on (the default), on forward and backward graphs alike. The
-rewritten sums count in ``counters["inductor_ext"]["sum_of_products"]``.
+It always runs in the ``"post_grad"`` stage (:mod:`.pipeline`), on forward and backward graphs alike;
+it saves GPU time in a training step (docs/benchmarks/train_llama-3.2-1b_4x2048_gemm_levers_h100.json).
+The rewritten sums count in ``counters["inductor_ext"]["sum_of_products"]``.
 """
 
 import math

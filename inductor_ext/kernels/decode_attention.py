@@ -35,7 +35,7 @@ import triton.language as tl
 
 KEYS_PER_SPLIT = 128
 """Cache slots per split for a single token: at batch 1 a 2048-slot cache with 8 key/value heads makes
-128 programs, about one per SM of an H100/H200. ``t`` tokens get ``1 / t`` as many splits (at least one),
+128 programs, about one per SM of a 132-SM GPU. ``t`` tokens get ``1 / t`` as many splits (at least one),
 so the partial results never outgrow ``b * heads * S / KEYS_PER_SPLIT`` rows."""
 
 DOT_ROWS = 64

@@ -102,9 +102,8 @@ def apply(
       adapters' gradients are float32-accurate; on CUDA on bf16 tensor cores, from exact bf16 parts:
       :mod:`inductor_ext.ops._split_gemm`); under ``torch.autocast`` the autocast dtype, as PEFT.
     - ``"input"``: the input's dtype (bf16), what autocast would do: the adapters are cast for each
-      call and their gradients still arrive in float32. Faster (bf16 tensor-core GEMMs; PEFT's float32
-      low-rank GEMMs took 26 of its 91 ms of GEMMs on the Llama-1B LoRA step), and the adapters'
-      gradients are rounded to bf16 precision.
+      call and their gradients still arrive in float32. Faster (plain bf16 tensor-core GEMMs, with no
+      split into bf16 parts), and the adapters' gradients are rounded to bf16 precision.
 
     ``lora=False`` leaves PEFT's LoRA layers as they are.
 

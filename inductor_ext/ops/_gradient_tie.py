@@ -7,8 +7,8 @@ same tensors (a 4-bit weight's dequantisation, the GLU's float32 upcasts of ``G`
 mask applied to the input) traces the very nodes the forward traced: they are merged, and the
 partitioner then saves the forward's result instead of recomputing it. It does so whenever the result
 is an operand of a backward GEMM ("materialised in the backward"), and always under selective
-checkpointing, which tags every node of a kept op ``MUST_SAVE``: seen on CPU and on the H200 as whole
-dequantised weights, or float32 copies of ``G`` and ``U``, held from forward to backward.
+checkpointing, which tags every node of a kept op ``MUST_SAVE``: whole dequantised weights, or float32
+copies of ``G`` and ``U``, are then held from forward to backward, on any device.
 
 :func:`tied_to_gradient` gives the backward its own copy of such an input: the same bits, computed as
 ``t | z`` on ``t``'s bits with ``z`` a zero made from one element of the incoming gradient. The

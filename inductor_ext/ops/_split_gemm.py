@@ -2,9 +2,9 @@
 
 PEFT keeps LoRA adapters in float32 over a bf16 base, so the rank-r products (``x Aᵀ``, ``dy B``)
 and the adapters' gradients (``dyᵀ · xa``, ``gᵀ · x``) are GEMMs of a bf16 operand (``x``, ``dy``)
-and a float32 one. As float32 GEMMs they run on CUDA cores (no TF32 unless the user allows it):
-12% of the GPU time of a QLoRA step of four Llama-3.1-8B-shaped layers on the H200 (15.4 of 127 ms).
-Here they run on tensor cores with the same accuracy.
+and a float32 one. As float32 GEMMs they run on CUDA cores (no TF32 unless the user allows it), at a
+small fraction of tensor-core throughput, and take a visible share of a LoRA step's GPU time. Here they
+run on tensor cores with the same accuracy.
 
 The float32 operand ``F`` splits exactly into three bf16 parts (each bf16 holds 8 significant bits,
 float32 24)::

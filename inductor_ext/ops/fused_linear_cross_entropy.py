@@ -41,15 +41,14 @@ Memory beside the inputs, eager and compiled, for ``C`` rows per chunk and 16-bi
 * ``"fp32"``: the fp32 accumulator (``4 V H`` bytes) plus the larger of one chunk of logits
   (``C V`` elements, during the loop) and the rounded ``dweight`` (``V H``, after it: the last
   chunk's logits are freed first), plus ``dhidden``. The default chunk (``C = H``) makes the two
-  equal: ``6 V H`` bytes, 2.9 GiB at ``V = 128256, H = 4096`` (measured on the H200 at
-  N = 8192: +3.06 GiB for a forward and backward, eager and compiled).
+  equal: ``6 V H`` bytes, 2.9 GiB at ``V = 128256, H = 4096``.
 * ``"weight_dtype"``: ``dweight`` (``V H`` elements, the weight's gradient itself) plus
   ``dhidden`` plus the larger of one chunk of logits (``C V``, during the loop) and ``dhidden``'s
   chunks (``N H``, while they are concatenated): ``V H + N H + max(C V, N H)``. The default chunk
   is ``C = H / 4`` rows (rounded down to a multiple of :data:`MATMUL_ROW_ALIGN`), so the logits
   take at most a quarter of ``dweight``: ``2.5 V H`` bytes plus ``dhidden``, 1.22 GiB at
   ``V = 128256, H = 4096`` (+ 0.06 GiB of ``dhidden`` at N = 8192), of which ``2 V H``
-  (0.98 GiB) is the gradient a training step holds anyway. GPU peak not measured yet.
+  (0.98 GiB) is the gradient a training step holds anyway.
 
 The backward (``"mean"``/``"sum"``) scales the saved gradients by ``grad_output``. Plain eager
 with a graph that is not retained scales them in place (adding nothing to the above). Retained

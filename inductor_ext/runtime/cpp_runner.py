@@ -43,7 +43,8 @@ class GenerateResult:
 
 
 def build_runner(build_dir: Path | None = None, source_dir: Path = SOURCE_DIR) -> Path:
-    """Path of the ``aoti_runner`` executable, building it and ``aoti_generate`` with CMake if needed (~30 s).
+    """Path of the ``aoti_runner`` executable, building it and ``aoti_generate`` with CMake where either is
+    missing or older than its sources (under a file lock, so concurrent callers build once).
 
     The default ``build_dir`` is per torch version and per ``source_dir`` under the cache directory.
     """

@@ -1,8 +1,9 @@
 """Put the C++ runtime this process already uses into the global symbol scope before an
-AOTInductor package is loaded (the fix for the H200 image's load segfault).
+AOTInductor package is loaded (the fix for a load segfault of packages whose wrapper carries its own
+static libstdc++).
 
-Cause (evidence in docs/export.md): the image's
-``g++`` (``/opt/gcc/bin/g++``, a wrapper around ``g++-real`` 13.3) links the package's
+Cause (evidence in docs/benchmarks/aoti_load_diag_h200.json): a ``g++`` such as
+``/opt/gcc/bin/g++`` (a wrapper around ``g++-real`` 13.3) links the package's
 wrapper ``.so`` with its own static copy of libstdc++: the ``.so`` lists no
 ``libstdc++.so.6`` among its NEEDED libraries yet defines 535 locale and 28 regex
 symbols. Python loads torch's libraries, and with them ``libstdc++.so.6``, with

@@ -141,9 +141,9 @@ def load(path: str | Path, device: torch.device | str | None = None) -> Package:
     """The callable of an AOTInductor package (its model ``"model"``), as a :class:`Package`; ``device`` as
     :func:`load_models`'.
 
-    A package whose wrapper carries its own static libstdc++ (as some compilers link it: the H200 image's
-    g++, docs/export.md) crashes in a process that loaded the shared one locally; for such a package
-    only, the process's C++ runtime is made global first (:func:`inductor_ext.runtime.cxx_runtime.promote_cxx_runtime`).
+    A package whose wrapper carries its own static libstdc++ (as some compilers link it: docs/export.md)
+    crashes in a process that loaded the shared one locally; for such a package only, the process's C++
+    runtime is made global first (:func:`inductor_ext.runtime.cxx_runtime.promote_cxx_runtime`).
     """
     models = load_models(path, device)
     if "model" not in models:

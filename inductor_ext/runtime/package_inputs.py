@@ -7,9 +7,8 @@ called with 3 returns 3 rows, the last one garbage, with only torch's "output wa
 ones, and each dynamic one's range from the program's ``range_constraints``) as a compact JSON string
 under the package metadata key :data:`METADATA_KEY`; :class:`ExpectedInputs` reads it once when the
 package is loaded and checks each call with Python compares of sizes, dtypes and devices only (no
-tensor op, no host sync: it runs per decode step of the generation loop; 43 µs for a decode step's 36
-tensors on a 2-core CPU, as much as the check of their layout alone took before). A package without
-the record (written before it existed) is not checked.
+tensor op, no host sync: it runs per decode step of the generation loop, so its cost is host time of
+every step). A package without the record (exported by an older version) is not checked.
 """
 
 import json
@@ -120,7 +119,7 @@ def _expected(label: str, leaf: Mapping[str, Any]) -> _Expected:
     static = tuple((dim, size) for dim, size in enumerate(sizes) if isinstance(size, int))
     dynamic = tuple(_Dynamic(dim, *size) for dim, size in enumerate(sizes) if not isinstance(size, int))
     device = leaf["device"]
-    # `tensor.device.type` builds a device object: 0.9 µs a call on a 2-core CPU, `tensor.is_cpu` 0.1 µs
+    # `tensor.device.type` builds a device object on every call; `tensor.is_cpu` (and friends) reads a flag
     flag = f"is_{device}"
     on_device = operator.attrgetter(flag) if hasattr(Tensor, flag) else lambda t: t.device.type == device
     text = ", ".join(str(s) if isinstance(s, int) else f"{s[0]}..{'' if s[1] is None else s[1]}" for s in sizes)

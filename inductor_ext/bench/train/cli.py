@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[provider.name].append({**result, "position": position})
                 results[provider.name] = report.pool_rounds(rounds[provider.name])
                 _print_headline(result)
-                # written after every provider: a run stopped early keeps what it measured
+                # written after every provider: a run stopped early keeps the providers it finished
                 path.write_text(json.dumps({"meta": meta, "results": results,
                                             "summary": report.summarize(results)}, indent=1))  # fmt: skip
     print(tabulate(report.summarize(results), headers="keys"))

@@ -199,7 +199,7 @@ def run_provider(args: argparse.Namespace, provider: Provider) -> dict[str, Any]
             step(unit)
     kernels = {} if timeline is None else {name: us / 1e3 for name, us in timeline.kernel_us.items()}
     median_s = statistics.median(step_s)
-    categories = kernel_us_by_class(kernels)  # the per-class sum; here in ms
+    categories = kernel_us_by_class(kernels)  # the per-class sum; here in milliseconds
     loss_values = [float(loss) for loss in losses]
     if ranks > 1:
         loss_values = fsdp.mean_over_ranks(loss_values, device)
