@@ -12,6 +12,9 @@ Providers:
   (on CPU: without); batch 1 decodes with the package's static decode graph.
 - ``package_cpp_dynamic``: ``package_cpp`` exported with ``decode_batch_sizes=()``: every batch decodes
   with the dynamic graph (cuBLAS projections).
+- ``package_cpp_untuned``: ``package_cpp`` with the static decode graph compiled without coordinate
+  descent (``coordinate_descent_tuning=False``): what the tuning of its kernels earns per token, against
+  what it costs the export.
 - ``package_cpp_frozen``: ``package_cpp`` exported with Inductor's ``freezing``: the weights become
   constants, so Inductor's freezing passes may fold them (on a GPU it fuses the q/k/v projections
   into one GEMM, and gate/up into one, over concatenated weights); no static decode graph (freezing
@@ -65,7 +68,7 @@ from inductor_ext.bench.train import MODELS, build_model
 
 PROVIDERS = ("hf_eager", "hf_compile", "fastops_inductor", "fastops_inductor_cpp_wrapper", "package_python",
              "package_cpp", "package_cpp_dynamic", "package_cpp_folded_sdpa", "package_cpp_decode_attention",
-             "package_cpp_frozen")  # fmt: skip
+             "package_cpp_untuned", "package_cpp_frozen")  # fmt: skip
 ATTENTION = {"package_cpp_folded_sdpa": "folded_sdpa", "package_cpp_decode_attention": "decode_attention"}
 """``export_generation``'s ``attention`` per provider (the others: ``"sdpa"``)."""
 
@@ -130,7 +133,10 @@ def decode_profile(generate: Callable[..., Any], prompt: torch.Tensor, new: int)
 def _export_settings(provider: str) -> dict[str, Any]:
     """``export_generation``'s arguments for a package provider (those with equal settings share an export)."""
     frozen = provider.endswith("_frozen")
-    return {"options": {"freezing": True} if frozen else None, "attention": ATTENTION.get(provider, "sdpa"),
+    options = {"freezing": True} if frozen else None
+    if provider.endswith("_untuned"):
+        options = {"coordinate_descent_tuning": False}
+    return {"options": options, "attention": ATTENTION.get(provider, "sdpa"),
             "decode_batch_sizes": () if frozen or provider.endswith("_dynamic") else (1,)}  # fmt: skip
 
 
