@@ -7,7 +7,7 @@ from inductor_ext.bench.compile_split import compile_split
 
 
 def test_phases_subtract_what_runs_inside_them():
-    before = {"_compile.compile_inner": 1.0, "fastops.pass.patterns": 0.5}
+    before = {"_compile.compile_inner": 1.0, "fastops.pass.rewrites": 0.5}
     after = {
         "_compile.compile_inner": 11.0,  # 10 s, of which the backend call took 8
         "OutputGraph.call_user_compiler": 8.0,
@@ -19,7 +19,7 @@ def test_phases_subtract_what_runs_inside_them():
         "CachingAutotuner.benchmark_all_configs": 0.25,
         "CachingAutotuner.coordinate_descent_tuning": 0.5,
         "fastops.route_timing": 0.75,
-        "fastops.pass.patterns": 0.75,
+        "fastops.pass.rewrites": 0.75,
         "fastops.pass.recompute_norms": 0.0,
     }
     split = compile_split(before, after)
@@ -31,7 +31,7 @@ def test_phases_subtract_what_runs_inside_them():
         "c++ compile": 1.5,
         "autotune": 0.75,
         "route timing": 0.75,
-        "passes": {"patterns": 0.25},  # a pass that took no time is left out
+        "passes": {"rewrites": 0.25},  # a pass that took no time is left out
     }
 
 
@@ -46,4 +46,4 @@ def test_a_compile_under_the_backend_times_our_passes():
         compiled(torch.randn(3, 8))
     split = compile_split(before)
     assert split["dynamo"] > 0 and split["inductor"] > 0
-    assert "patterns" in split["passes"], split
+    assert "rewrites" in split["passes"], split

@@ -33,7 +33,7 @@ of them to run, and report its seconds (``export_s``, cold caches: each provider
 process with empty Inductor and Triton caches and tuning database); the exporting provider adds the
 compile timers the export advanced (``export_timers``, seconds per PyTorch and fastops timer). The
 floor of a decode step is the bytes it must read, the weights plus the filled part of the KV cache,
-over the copy bandwidth measured in the same process.
+over the copy bandwidth timed in the same process.
 On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
 per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
 launch and host gaps (wall time above GPU time) from slow kernels.
@@ -92,7 +92,7 @@ def _generate_ms(generate: Callable[..., Any], prompt: torch.Tensor, new: int, d
 
 def _prefill_and_decode_ms(generate: Callable[..., Any], prompt: torch.Tensor, new: int, device: str,
                            repeats: int) -> tuple[float, float]:  # fmt: skip
-    """ms to the first token (the prefill and its token choice), and ms per token after it."""
+    """Milliseconds to the first token (the prefill and its token choice), and per token after it."""
     first = _generate_ms(generate, prompt, 1, device, repeats)
     whole = _generate_ms(generate, prompt, new + 1, device, repeats)
     return first, (whole - first) / new
@@ -161,7 +161,7 @@ def _shared_export(
 
 
 def run_provider(args: argparse.Namespace) -> dict[str, Any]:
-    """This process's measurements for ``args.worker``: per batch size, prefill and decode ms."""
+    """This process's measurements for ``args.worker``: per batch size, prefill and decode milliseconds."""
     device, provider = args.device, args.worker
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             caches = fresh_cache_env(scratch, tempfile.mkdtemp(dir=scratch))  # cold: nothing compiled or tuned
             results[provider] = run_child(_worker_command(args, provider), caches)
             table = rows(results, args.batches)
-            # written after each provider: a run cut short keeps the providers it measured
+            # written after each provider: a run cut short keeps the providers it ran
             (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results, "summary": table},
                                                               indent=1))  # fmt: skip
     print(tabulate(table, headers="keys"))

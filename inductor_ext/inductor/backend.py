@@ -26,7 +26,7 @@ import torch
 from torch._dynamo import register_backend
 
 from inductor_ext import _compat
-from inductor_ext.inductor.lazy_outputs import with_lazy_outputs
+from inductor_ext.inductor.lazy_linear_outputs import with_lazy_outputs
 from inductor_ext.inductor.recipe import CompileRecipe
 
 BACKEND_NAME = "fastops_inductor"

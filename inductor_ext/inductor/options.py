@@ -52,6 +52,10 @@ DEPRECATED_PASS_OPTIONS = ("causal_mask", "lazy_linear_outputs", "accumulate_pro
 """Exact passes that were options and now always run: the option (and its ``INDUCTOR_EXT_<NAME>`` variable)
 is still honoured, with a ``FutureWarning``, until the next release removes it."""
 
+RENAMED_OPTIONS = {"patterns": "rewrites"}
+"""Old option name -> its name now (the pass's and its module's): the old option and its ``INDUCTOR_EXT_<OLD>``
+variable still work, with a ``FutureWarning``, until the next release removes them."""
+
 PASSES_OFF = "_passes_off"
 """For tests and benchmarks that measure a pass against its absence, not a user option: ``fastops._passes_off``,
 the names of passes not to run, or in the environment ``INDUCTOR_EXT_PASSES_OFF``, a comma-separated list."""
@@ -108,6 +112,7 @@ def parse_options(
         )
     options = dict(options or {})
     ours = {k[len(_PREFIX) :]: options.pop(k) for k in list(options) if isinstance(k, str) and k.startswith(_PREFIX)}
+    ours, env = _renamed_options(ours, env)
     unknown = set(ours) - set(OPTION_NAMES) - set(DEPRECATED_PASS_OPTIONS) - {PASSES_OFF}
     if unknown:
         known = ", ".join(_PREFIX + k for k in OPTION_NAMES)
@@ -158,6 +163,30 @@ def parse_options(
     )
     enabled = tuple(sorted(enabled))
     return BackendOptions(default_route, routes, multi_kernel, cpp_wrapper, bool(assume_no_padding), enabled), options
+
+
+def _renamed_options(ours: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``ours`` and ``env`` with each old option name of :data:`RENAMED_OPTIONS` (and its variable) under its
+    new name, with a ``FutureWarning``; the old and the new name together is an error."""
+
+    def rename(given: Mapping[str, Any], old: str, new: str, shown: str) -> dict[str, Any]:
+        """``given`` with its key ``old`` as ``new`` (``shown`` formats a key as the user spelled it)."""
+        if old not in given:
+            return dict(given)
+        old_shown, new_shown = shown.format(old), shown.format(new)
+        if new in given:
+            raise ValueError(f"fastops_inductor: {old_shown} is the old name of {new_shown}; give only {new_shown}")
+        warnings.warn(
+            f"fastops_inductor: {old_shown} is renamed {new_shown}; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=4,
+        )
+        return {**{key: value for key, value in given.items() if key != old}, new: given[old]}
+
+    for old, new in RENAMED_OPTIONS.items():
+        ours = rename(ours, old, new, _PREFIX + "{}")
+        env = rename(env, f"INDUCTOR_EXT_{old.upper()}", PASSES[new].env_var, "{}")
+    return ours, dict(env)
 
 
 def options_table() -> str:

@@ -12,20 +12,20 @@ from typing import Any
 from torch._inductor.utils import get_donated_idxs
 from torch.fx import Graph, GraphModule
 
+from inductor_ext.inductor.accumulate_products import accumulate_products
+from inductor_ext.inductor.canonical_shapes import canonical_shapes
 from inductor_ext.inductor.causal_mask import rewrite_causal_masks
 from inductor_ext.inductor.document_mask import rewrite_document_masks
 from inductor_ext.inductor.donated_buffers import write_over_donated_inputs
-from inductor_ext.inductor.lazy_outputs import defer_linear_output_grads
+from inductor_ext.inductor.lazy_linear_outputs import lazy_linear_outputs
 from inductor_ext.inductor.pass_types import GraphPass, PassContext, in_order
-from inductor_ext.inductor.product_sums import accumulate_product_sums
-from inductor_ext.inductor.recompute import (
+from inductor_ext.inductor.recompute_norms import (
     NORM_FORWARDS,
     mark_fused_norm_outputs,
     mark_recompute,
     resolve_marked_outputs,
 )
 from inductor_ext.inductor.rewrites import apply_rewrites
-from inductor_ext.inductor.shapes import canonicalize_shape_calls
 
 
 def _causal_mask(gm: GraphModule, context: PassContext) -> Any:
@@ -37,10 +37,10 @@ def _document_mask(gm: GraphModule, context: PassContext) -> Any:
 
 
 def _canonical_shapes(gm: GraphModule, context: PassContext) -> Any:
-    return canonicalize_shape_calls(gm)
+    return canonical_shapes(gm)
 
 
-def _patterns(gm: GraphModule, context: PassContext) -> Any:
+def _rewrites(gm: GraphModule, context: PassContext) -> Any:
     return apply_rewrites(gm)
 
 
@@ -51,12 +51,12 @@ def _recompute_norms(graph: GraphModule | Graph, context: PassContext) -> Any:
 
 
 def _lazy_linear_outputs(gm: GraphModule, context: PassContext) -> Any:
-    context.lazy_outputs = defer_linear_output_grads(gm, context.example_inputs)
+    context.lazy_outputs = lazy_linear_outputs(gm, context.example_inputs)
     return context.lazy_outputs
 
 
 def _accumulate_products(graph: Graph, context: PassContext) -> Any:
-    return accumulate_product_sums(graph)
+    return accumulate_products(graph)
 
 
 def _donated_buffers(graph: Graph, context: PassContext) -> Any:
@@ -92,13 +92,13 @@ PASSES = in_order(
         run=_canonical_shapes,
     ),
     GraphPass(
-        "patterns",
+        "rewrites",
         stages=("dynamo",),
         default=True,
         reason="common PyTorch/HF spellings become fastops ops, each call routed to the faster of our kernel and "
         "Inductor's code: fwd+bwd 1.10-1.26x torch.compile for RMSNorm (docs/benchmarks/rms_norm_bfloat16.json), "
         "1.66x for cross-entropy (docs/benchmarks/cross_entropy_hf_loss_bfloat16.json)",
-        run=_patterns,
+        run=_rewrites,
     ),
     GraphPass(
         "recompute_norms",

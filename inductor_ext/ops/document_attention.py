@@ -92,7 +92,7 @@ def _ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:
     indices in ascending order, then zeros (``(..., N)`` int32).
 
     Without a sort. Built with ``argsort`` (and FlexAttention's ``_transpose_ordered`` for the query
-    tables) inside the compiled graph, FlexAttention on the H200 (torch 2.11) gave wrong rows for some
+    tables) inside the compiled graph, FlexAttention on CUDA (torch 2.11) gave wrong rows for some
     packings with several rows per batch (the last row of a 4 x 512 batch 8% off, a NaN loss at
     Llama-1B 4 x 2048), while ``create_block_mask``'s tables gave the right ones; the fault was not
     isolated (the compiled ``argsort`` alone matched eager). These tables match, and the attention
@@ -177,7 +177,7 @@ def flex_is_trusted(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether the block-sparse FlexAttention runs: on CUDA, where a gradient is needed (training graphs).
 
     Forward-only graphs keep SDPA on the materialised mask, correct but not faster. Compiled by Inductor
-    (torch 2.11, H100; 4 x 2048 packed rows, 32/8 heads of 64, bf16) into one inference graph with the
+    (torch 2.11 on CUDA; 4 x 2048 packed rows, 32/8 heads of 64, bf16) into one inference graph with the
     attention, the tables built here give garbage (relative error 4e17 against float64 SDPA; with 64 x 64
     tiles, an illegal memory access). The same tables built outside the graph, or returned by it (as a
     training graph saves them for the backward), give FlexAttention's bf16 error (2e-3), and they equal

@@ -89,7 +89,7 @@ _recomputable_norm_output.register_autograd(_recomputable_norm_output_backward)
 RECOMPUTABLE_OUTPUT: OpOverload = torch.ops.fastops.recomputable_norm_output.default
 """``fastops::recomputable_norm_output(y, x, rstd, weight, offset, casting) -> y``: ``y`` is
 ``rms_norm_output(x, rstd, weight, offset, casting)``; its gradient passes to ``y`` unchanged. A marker
-of the backend's norm-recompute pass (:mod:`inductor_ext.inductor.recompute`), which removes it before
+of the backend's norm-recompute pass (:mod:`inductor_ext.inductor.recompute_norms`), which removes it before
 Inductor compiles a graph."""
 
 

@@ -14,7 +14,7 @@ the inputs' dtype. The sum written out of place, ``mm + mm + mm``, holds every p
 adds them in a pointwise kernel that reads them all again; here no product is held beside the total.
 For 16-bit inputs ``k`` products round ``k`` times (the out-of-place sum: ``k + 1``).
 
-The backend's ``fastops.accumulate_products`` pass (:mod:`inductor_ext.inductor.product_sums`)
+The backend's ``fastops.accumulate_products`` pass (:mod:`inductor_ext.inductor.accumulate_products`)
 calls it for sums of products in compiled graphs: a backward's input gradient of a tensor that feeds
 several linear layers (grouped-query attention's q/k/v, the MLP's gate and up). Opaque to Inductor,
 which calls it as it is (an ATen GEMM, then ``addmm_``).

@@ -119,9 +119,18 @@ def test_near_miss_is_left_alone():
     assert rel_err(y, y_e) < OUTPUT[torch.float32] and rel_err(dx, dx_e) < OUTPUT[torch.float32]
 
 
-def test_patterns_option_turns_rewrites_off():
-    _run(LlamaRMSNorm(64), torch.randn(2, 64), options={"fastops.patterns": False})
+def test_rewrites_option_turns_rewrites_off():
+    _run(LlamaRMSNorm(64), torch.randn(2, 64), options={"fastops.rewrites": False})
     assert not any(k.startswith("rewrite_") for k in counters["inductor_ext"])
+
+
+def test_old_option_name_patterns_still_works_with_a_warning():
+    with pytest.warns(FutureWarning, match="fastops.patterns is renamed fastops.rewrites"):
+        assert not parse_options({"fastops.patterns": False}, env={})[0].runs("rewrites")
+    with pytest.warns(FutureWarning, match="INDUCTOR_EXT_PATTERNS is renamed INDUCTOR_EXT_REWRITES"):
+        assert not parse_options(None, env={"INDUCTOR_EXT_PATTERNS": "0"})[0].runs("rewrites")
+    with pytest.raises(ValueError, match="fastops.patterns is the old name of fastops.rewrites; give only"):
+        parse_options({"fastops.patterns": False, "fastops.rewrites": True}, env={})
 
 
 class NormThenCacheWrite(torch.nn.Module):
@@ -187,10 +196,10 @@ def test_parse_options_defaults_env_and_precedence():
     assert ours.inductor_patches() == {
         "triton.multi_kernel": 1, "cpp_wrapper": True, "triton.autotune_at_compile_time": True
     }  # fmt: skip
-    env = {"INDUCTOR_EXT_ROUTE": "kernel,cross_entropy=inductor", "INDUCTOR_EXT_PATTERNS": "0"}
+    env = {"INDUCTOR_EXT_ROUTE": "kernel,cross_entropy=inductor", "INDUCTOR_EXT_REWRITES": "0"}
     ours, _ = parse_options(None, env=env)
     assert ours.route_for("rms_norm") == "kernel" and ours.route_for("cross_entropy") == "inductor"
-    assert not ours.runs("patterns") and ours.runs("causal_mask")
+    assert not ours.runs("rewrites") and ours.runs("causal_mask")
     ours, _ = parse_options({"fastops.route": {"rms_norm": "inductor"}}, env=env)  # option beats env
     assert ours.route_for("rms_norm") == "inductor" and ours.route_for("glu") == "auto"
     # Inductor's own multi-kernel setting is respected
@@ -205,7 +214,7 @@ def test_parse_options_defaults_env_and_precedence():
         ({"fastops.rout": "auto"}, {}, "unknown options"),
         ({"fastops.route": "fast"}, {}, "must be one of"),
         ({"fastops.route": 3}, {}, "must be a str or a dict"),
-        (None, {"INDUCTOR_EXT_PATTERNS": "maybe"}, "INDUCTOR_EXT_PATTERNS must be"),
+        (None, {"INDUCTOR_EXT_REWRITES": "maybe"}, "INDUCTOR_EXT_REWRITES must be"),
         ({"fastops.route": {"rms_norm": "kernel", "bogus_op": "kernel"}}, {}, r"unknown op families \['bogus_op'\]"),
         (None, {"INDUCTOR_EXT_ROUTE": "auto,rmsnorm=kernel"}, r"unknown op families \['rmsnorm'\]"),
         ({"fastops.multi_kernel": "yes"}, {}, "fastops.multi_kernel must be 0, 1, 2 or 3"),

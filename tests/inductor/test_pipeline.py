@@ -32,7 +32,7 @@ def test_every_pass_declares_stages_a_default_and_a_measured_reason():
         assert parse_options({f"fastops.{name}": flipped}, env={})[0].runs(name) is flipped
         assert parse_options(None, env={PASSES[name].env_var: str(int(flipped))})[0].runs(name) is flipped
     with pytest.raises(ValueError, match="two passes named 'causal_mask'"):
-        in_order(PASSES["causal_mask"], PASSES["patterns"], PASSES["causal_mask"])
+        in_order(PASSES["causal_mask"], PASSES["rewrites"], PASSES["causal_mask"])
     with pytest.raises(ValueError, match="unknown stages"):
         GraphPass("late", ("pre_grad",), True, "1", lambda gm, context: None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown options"):

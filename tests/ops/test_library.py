@@ -263,7 +263,7 @@ SHARDED_OPS = [
                    "fused_linear_cross_entropy")
     for direction in ("fwd", "bwd")
 ]  # fmt: skip
-SHARDED_OPS.append("fastops::recomputable_norm_output")  # the backend's recompute marker (inductor/recompute.py)
+SHARDED_OPS.append("fastops::recomputable_norm_output")  # the backend's recompute marker (inductor/recompute_norms.py)
 
 
 def test_op_files_declare_a_sharding_rule_per_op():

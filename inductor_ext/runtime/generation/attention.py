@@ -4,25 +4,24 @@
 With a mask (the step always passes one) transformers' SDPA attention repeats each key/value head for
 the query heads that share it (``repeat_kv``) whenever it is traced, so a compiled or exported step
 copies the whole filled cache ``heads / kv_heads`` times over in each layer before SDPA reads it again:
-at a decode step of the Llama-3.2-1B shape after a 2048-token prompt on the H200, 144 us a token at
-batch 1 (with 164 us of cuDNN attention) and most of the step at batch 64.
+at batch 64 after a long prompt, most of a decode step.
 
 - ``"folded_sdpa"`` (:data:`folded_sdpa`): the query heads of a group become query rows, query
   ``(b, kv_heads * g, t, d)`` -> ``(b, kv_heads, g * t, d)`` (row ``j * t + i`` is head ``j`` of the
   group, token ``i``), the ``(b, 1, t, s)`` mask is repeated ``g`` times along its rows to match, and
   SDPA runs on the cache's ``(b, kv_heads, s, d)`` keys and values: the same attention, as ``g``-times
-  fewer, ``g``-times taller problems. Measured (C++ loop): decode 12.96 -> 5.88 ms a token at batch 64,
-  2.98 -> 2.56 at batch 8, but 1.66 -> 2.47 at batch 1, where cuDNN runs one program per key/value head
-  (8) and takes 1.09 ms a token.
+  fewer, ``g``-times taller problems. Against ``"sdpa"`` (dynamic graph, C++ loop, Llama-3.2-1B shape,
+  2048-token prompt; docs/benchmarks/generate_llama-3.2-1b_prompt2048.json) it decodes 2.2x faster at
+  batch 64 and 1.16x at batch 8, but 1.49x slower at batch 1, where cuDNN runs one program per
+  key/value head.
 - ``"decode_attention"`` (:data:`decode_kernel_attention`): our decode-attention op
   (:mod:`inductor_ext.ops.decode_attention`), split over the cache, for the prefill and every decode
   step (one op for any token count: the exported step, one graph with a symbolic token count, needs no
-  run-time branch). Measured: decode 1.66 -> 1.62 ms at batch 1, 2.98 -> 2.85 at batch 8, 12.96 -> 12.04
-  at batch 64, but the prefill 13.1 -> 22.4 ms at batch 1 and 813 -> 1273 ms at batch 64: its kernels
-  are far from the copy bandwidth yet.
+  run-time branch). In the same comparison it decodes 2-7% faster at every batch but prefills 1.6x
+  slower: its kernels are far from the copy bandwidth yet.
 
 A ``torch.cond`` choosing per call (folded from some batch, or the decode op for one token and SDPA
-for a prompt) did not survive export on the H200 (torch 2.11): Dynamo refuses a branch's key and value
+for a prompt) did not survive export (torch 2.11): Dynamo refuses a branch's key and value
 operands when they are views of one cache (aliasing), and with separate example tensors instead the
 package gave wrong tokens and an illegal memory access (which of the two changes caused that was not
 isolated). So each choice is one code path for every call.

@@ -43,8 +43,9 @@ speed no longer shows there, and the prefill's launches run ahead of its kernels
 DECODE_GRAPH_OPTIONS = {"coordinate_descent_tuning": True, "fastops.route": "inductor"}
 """Options of the static decode graphs (``options`` passed to ``export_generation`` override them):
 matrix-vector products as tuned reductions, and the norms in Inductor's code so that they fuse into
-them (H200, Llama-3.2-1B shape, C++ loop: batch 1 decodes in 1.37 ms a token, 1.66 with the dynamic
-graph's cuBLAS calls; docs/benchmarks.md)."""
+them: at batch 1 the Llama-3.2-1B shape decodes 1.21x faster than with the dynamic graph's cuBLAS
+calls (C++ loop, docs/benchmarks/generate_llama-3.2-1b_prompt2048.json, ``package_cpp`` against
+``package_cpp_dynamic``)."""
 
 
 def _generation_setting(model: torch.nn.Module, name: str) -> Any:
@@ -214,9 +215,8 @@ def export_generation(
     ``attention`` (for a model that runs SDPA; :mod:`inductor_ext.runtime.generation.attention`): ``"sdpa"``
     (default), transformers' SDPA attention, which repeats the key/value heads of a grouped-query model;
     ``"folded_sdpa"``, SDPA on the cache's own key/value heads with the query heads folded into rows;
-    ``"decode_attention"``, our decode-attention op. On the H200 (Llama-3.2-1B shape, 2048-token prompt,
-    C++ loop) ``"folded_sdpa"`` decodes 2.2x faster at batch 64 and 1.16x at batch 8 but 1.49x slower at
-    batch 1; ``"decode_attention"`` decodes 2-7% faster at every batch but prefills 1.6x slower.
+    ``"decode_attention"``, our decode-attention op (what each costs and saves: the attention module's
+    docstring).
     ``decode_batch_sizes``: the batches that get a static decode graph (module docstring); each adds
     a compile to the export, not a copy of the weights. Inductor's ``freezing`` option folds the weights
     into each graph, so it needs ``decode_batch_sizes=()`` (one graph that holds its weights).

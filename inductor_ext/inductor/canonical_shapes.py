@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 from inductor_ext.inductor.graph_queries import is_call, value, with_value
 
 
-def canonicalize_shape_calls(gm: GraphModule) -> int:
+def canonical_shapes(gm: GraphModule) -> int:
     """Rewrite ``gm``'s ``view`` and ``flatten`` calls (a Dynamo graph) as ``reshape``; returns how many."""
     graph = gm.graph
     rewritten = 0

@@ -15,7 +15,7 @@ from inductor_ext import models
 from inductor_ext.inductor import passes
 from inductor_ext.inductor.graph_queries import is_call, value
 from inductor_ext.inductor.options import parse_options
-from inductor_ext.inductor.recompute import NORM_FORWARDS, RECOMPUTABLE_OUTPUT
+from inductor_ext.inductor.recompute_norms import NORM_FORWARDS, RECOMPUTABLE_OUTPUT
 from tests.hf_spellings import LlamaRMSNorm
 
 H, TOKENS, LAYERS = 64, 32, 2

@@ -10,7 +10,7 @@ import transformers
 
 import inductor_ext  # noqa: F401  (registers the backend)
 from inductor_ext.inductor import passes
-from inductor_ext.inductor.lazy_outputs import LinearOutput
+from inductor_ext.inductor.lazy_linear_outputs import LinearOutput
 from inductor_ext.inductor.options import parse_options
 
 VOCAB, H, BATCH, SEQ = 1000, 64, 2, 32
@@ -119,14 +119,14 @@ class Heads(torch.nn.Module):
 
 
 def test_only_widening_outputs_the_graph_reads_are_deferred(monkeypatch):
-    deferred, defer = [], passes.defer_linear_output_grads
+    deferred, defer = [], passes.lazy_linear_outputs
 
     def spy(gm, example_inputs):
         lazy = defer(gm, example_inputs)
         deferred.append([entry.output for entry in lazy])
         return lazy
 
-    monkeypatch.setattr(passes, "defer_linear_output_grads", spy)
+    monkeypatch.setattr(passes, "lazy_linear_outputs", spy)
     torch.manual_seed(0)
     heads = Heads()
     x = torch.randn(SEQ, H, requires_grad=True)
@@ -150,10 +150,8 @@ def test_only_widening_outputs_the_graph_reads_are_deferred(monkeypatch):
 
 
 def test_inference_graphs_are_left_alone(monkeypatch):
-    deferred, defer = [], passes.defer_linear_output_grads
-    monkeypatch.setattr(
-        passes, "defer_linear_output_grads", lambda gm, ex: deferred.append(defer(gm, ex)) or deferred[-1]
-    )
+    deferred, defer = [], passes.lazy_linear_outputs
+    monkeypatch.setattr(passes, "lazy_linear_outputs", lambda gm, ex: deferred.append(defer(gm, ex)) or deferred[-1])
     model = _llama()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     with torch.no_grad():

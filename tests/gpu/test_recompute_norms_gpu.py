@@ -15,7 +15,7 @@ import torch
 import inductor_ext  # noqa: F401
 from inductor_ext import models
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES, gqa_llama
-from tests.inductor.test_recompute import marked_output_bytes
+from tests.inductor.test_recompute_norms import marked_output_bytes
 from tests.tolerances import rel_err
 
 pytestmark = ISOLATED_CUDA_COMPILES

@@ -48,7 +48,7 @@ class LazyOutput:
     bias: int | None
 
 
-def defer_linear_output_grads(gm: GraphModule, example_inputs: Sequence[Any]) -> list[LazyOutput]:
+def lazy_linear_outputs(gm: GraphModule, example_inputs: Sequence[Any]) -> list[LazyOutput]:
     """Rewrite ``gm`` (a Dynamo graph) as the module docstring says; what :func:`with_lazy_outputs` needs."""
     if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return []

@@ -9,7 +9,7 @@ kernel: the two sums read and write four and three ``N H`` tensors (two
 each further one to it in the GEMM's epilogue (``addmm_``): no sum kernel and no product held beside
 another, for one more read of the total by each GEMM after the first.
 
-What is rewritten (``accumulate_product_sums``): a tree of ``aten.add.Tensor`` nodes (no ``alpha``;
+What is rewritten (``accumulate_products``): a tree of ``aten.add.Tensor`` nodes (no ``alpha``;
 each inner add read only by the next) whose every term is an ``aten.mm`` read only there, optionally
 through one view (``reshape``/``view``/``_unsafe_view``) read only there, with one dtype and one
 shape throughout (no broadcasting, no promotion). The product with the shortest reduction goes
@@ -38,7 +38,7 @@ aten = torch.ops.aten
 _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
-def accumulate_product_sums(graph: Graph) -> int:
+def accumulate_products(graph: Graph) -> int:
     """Rewrite the sums of products described in the module docstring; returns how many."""
     rewritten = 0
     erased: set[Node] = set()
