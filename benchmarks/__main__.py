@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     results = bench.run(shapes, dtype, copy_gbps)
     overhead = bench.host_overhead_us() if hasattr(bench, "host_overhead_us") else {}
     routes = bench.route_check(results) if hasattr(bench, "route_check") else {}
-    from inductor_ext.library.launch import tuned_launch_configs
+    from inductor_ext.tuning.first_launch import tuned_launch_configs
 
     tuned = {f"{key[0].fn.__name__}{key[1:]}": config for key, config in tuned_launch_configs().items()}
     extra = {

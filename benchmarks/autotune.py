@@ -6,9 +6,9 @@ What is measured:
 
 (a) **Tuning without weights.** A Llama-3-8B ``transformers.LlamaConfig`` (built here, saved to a
     temporary folder; ``--layers`` changes only how often each call is made, not the shapes) is
-    traced on the meta device (:func:`inductor_ext.autotune.trace.calls_from_hf_config`, training
+    traced on the meta device (:func:`inductor_ext.tuning.cli.trace.calls_from_hf_config`, training
     step with the loss, ``--batch`` × ``--seq`` tokens), and each call is tuned into an empty
-    database as ``python -m inductor_ext.autotune tune`` does (``tune_calls``). Reported: trace and
+    database as ``python -m inductor_ext.tuning tune`` does (``tune_calls``). Reported: trace and
     tuning wall time (per call and total), the peak GPU memory of the tuning
     (``max_memory_allocated``) and the peak less the largest call's input bytes (target: well
     under 1 GiB).
@@ -16,7 +16,7 @@ What is measured:
     (forward and backward) are timed again (``measure_routes``; our kernels keep the launch
     config picked while tuning); chosen route's time over the faster one's, flagged above 1.03.
     Then every config of each of our autotuned kernels is timed the same way with the config
-    forced (:func:`inductor_ext.library.launch_controls.force_launch_config`): the config Triton's
+    forced (:func:`inductor_ext.tuning.launch_settings.force_launch_config`): the config Triton's
     autotuner picked while tuning over the fastest one's, flagged above 1.03.
 (c) **Warm vs cold compile** of one Llama-8B-sized decoder layer (:mod:`benchmarks.llama_style`,
     bf16, inference forward on 1 × 2048 tokens): ``torch.compile(backend="fastops_inductor")``
@@ -24,7 +24,7 @@ What is measured:
     :func:`inductor_ext.export` (the fastops-spelled layer: export applies no rewrites; the calls
     are the same), each first-call / export wall time in its own fresh process with empty
     Inductor and Triton caches, against an empty tuning database (cold: routes and kernels are
-    timed during the compile) and one filled beforehand by ``python -m inductor_ext.autotune tune
+    timed during the compile) and one filled beforehand by ``python -m inductor_ext.tuning tune
     --entry benchmarks.autotune:block --no-grad`` (warm). Each process counts the timing
     runs made during its compile: route timings (``measure_routes``), ``benchmark_all_configs``
     of our kernels and of Inductor's generated ones (``triton_*``), and multi-kernel picks.
@@ -60,15 +60,15 @@ from benchmarks.harness import (
     show_route_timing,
 )
 from benchmarks.llama_style import LlamaStyleDecoder
-from inductor_ext.autotune.calls import OpCall
-from inductor_ext.autotune.trace import calls_from_hf_config
-from inductor_ext.autotune.tune import tune_calls
-from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.library.launch import candidate_configs, tuned_launch_config
-from inductor_ext.library.launch_controls import force_launch_config, record_autotuned_launches
+from inductor_ext.tuning import routes
+from inductor_ext.tuning.cli.calls import OpCall
+from inductor_ext.tuning.cli.trace import calls_from_hf_config
+from inductor_ext.tuning.cli.tune import tune_calls
 from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.first_launch import candidate_configs, tuned_launch_config
 from inductor_ext.tuning.inputs import random_inputs
+from inductor_ext.tuning.launch_settings import force_launch_config, record_autotuned_launches
 
 LLAMA_3_8B: dict[str, Any] = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -216,7 +216,7 @@ def _recheck(tuned: list[tuple[OpCall, Any]]) -> list[dict[str, Any]]:
     """(b): both routes of every tuned call timed again; the tuned choice's time over the faster one's."""
     rows = []
     for call, decisions in tuned:
-        again = choice.measure_routes(call.family, call.args, BackendOptions(), torch.device("cuda"))
+        again = routes.measure_routes(call.family, call.args, BackendOptions(), torch.device("cuda"))
         for chosen, now in zip(decisions, again):
             ms = {route: getattr(now, f"{route}_ms") for route in ("kernel", "inductor")}
             rows.append({"op": now.op, "signature": now.signature, "chosen": chosen.route,
@@ -233,7 +233,7 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
     rows = []
     for call in calls:
         device = torch.device("cuda")
-        for op, templates, direct, _math in choice.call_directions(call.family, call.args, device):
+        for op, templates, direct, _math in routes.call_directions(call.family, call.args, device):
             with record_autotuned_launches() as launches:
                 direct(*random_inputs(op, templates, device))
             kernels = {kernel: (kernel_args, kwargs) for kernel, kernel_args, kwargs in launches}
@@ -244,7 +244,7 @@ def _recheck_configs(calls: list[OpCall]) -> list[dict[str, Any]]:
                 times = {}
                 for name, config in configs.items():
                     with force_launch_config(config):
-                        times[name] = choice.time_direct(op, templates, direct, device)[0]
+                        times[name] = routes.time_direct(op, templates, direct, device)[0]
                 best = min(times, key=times.__getitem__)
                 rows.append({"op": op._name, "signature": call.signature, "kernel": kernel.fn.__name__,
                              "configs": len(times), "picked": picked_name, "picked_ms": times[picked_name],
@@ -256,7 +256,7 @@ def _compile_cold_and_warm(scratch: str, phases: list[str], save: Callable[[str,
     """(c): fill a warm database for the block, then each compile phase in fresh processes, cold and warm."""
     warm_db = tempfile.mkdtemp(dir=scratch)
     start = time.perf_counter()
-    tune = [sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "benchmarks.autotune:block",
+    tune = [sys.executable, "-m", "inductor_ext.tuning", "tune", "--entry", "benchmarks.autotune:block",
             "--no-grad"]  # fmt: skip
     subprocess.run(tune, env={**os.environ, **fresh_cache_env(scratch, warm_db)}, check=True)
     report: dict[str, Any] = {"block": {**BLOCK, "input": BLOCK_INPUT}, "warm_db_tune_s": time.perf_counter() - start,
@@ -313,7 +313,7 @@ def _count_timing_runs() -> dict[str, collections.Counter[str]]:
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     runs: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in TIMING_RUNS}
-    measure_routes = choice.measure_routes
+    measure_routes = routes.measure_routes
     benchmark_all_configs = CachingAutotuner.benchmark_all_configs
     benchmark_sub_kernels = MultiKernelCall.benchmark_sub_kernels
 
@@ -330,7 +330,7 @@ def _count_timing_runs() -> dict[str, collections.Counter[str]]:
         runs["multi_kernel"][self.multi_kernel_name] += 1
         return benchmark_sub_kernels(self, *args, **kwargs)
 
-    choice.measure_routes = counted_measure_routes  # type: ignore[assignment]
+    routes.measure_routes = counted_measure_routes  # type: ignore[assignment]
     CachingAutotuner.benchmark_all_configs = counted_benchmark_all_configs  # type: ignore[method-assign]
     MultiKernelCall.benchmark_sub_kernels = counted_benchmark_sub_kernels  # type: ignore[method-assign]
     return runs

@@ -1,7 +1,7 @@
 """What our kernels cost to compile for sm_90 (H100/H200), and their registers and spills, on a CPU host.
 
 For each forward op call in a call file (the standalone autotuner's format,
-:mod:`inductor_ext.autotune.calls`) and its backward, records the Triton launches our ops make at
+:mod:`inductor_ext.tuning.cli.calls`) and its backward, records the Triton launches our ops make at
 those shapes without running anything (meta tensors), then compiles each launched kernel for
 ``sm_90`` with the first ``--configs`` configs a launch would offer (the quick first launch's
 order), and prints compile seconds, registers per thread and spill bytes (``cuobjdump
@@ -43,17 +43,34 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import create_function_from_signature
 
 import inductor_ext.library.launch as ops_launch
-from inductor_ext.autotune.calls import load_calls
-from inductor_ext.autotune.report import format_table
-from inductor_ext.inductor.choice import capture_backward_args
-from inductor_ext.library.launch_controls import dry_run_launches
+from inductor_ext.library.launch import DirectLaunch
+from inductor_ext.tuning.cli.calls import load_calls
+from inductor_ext.tuning.cli.report import format_table
+from inductor_ext.tuning.routes import capture_backward_args
 
 COLUMNS = ("call", "kernel", "config", "seconds", "registers", "spill bytes")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+LaunchRecord = tuple[Any, tuple[Any, ...], dict[str, Any]]
+"""A launch as recorded: (kernel, args, kwargs)."""
+
+
 @contextlib.contextmanager
-def recorded_launches(sms: int) -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
+def dry_run_launches() -> Iterator[list[LaunchRecord]]:
+    """Within: the ops' direct launches (:class:`~inductor_ext.library.launch.DirectLaunch`) of every
+    kernel, autotuned or not, are recorded as (kernel, args, kwargs) and not run."""
+    launches: list[LaunchRecord] = []
+
+    def record(self: DirectLaunch, kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+        launches.append((kernel, tuple(args), dict(kwargs)))
+
+    with unittest.mock.patch.object(DirectLaunch, "__call__", record):
+        yield launches
+
+
+@contextlib.contextmanager
+def recorded_launches(sms: int) -> Iterator[list[LaunchRecord]]:
     """Within: the ops' direct launches record (kernel, args, kwargs) instead of launching, and the
     GPU reports ``sms`` SMs. Run the ops on fake CUDA tensors (:func:`fake_cuda`): no GPU is needed,
     and every device-dependent choice (grid sizes, block sizes) takes its CUDA branch."""

@@ -122,13 +122,15 @@ def parse_on_gpu(
 
 def show_route_timing() -> None:
     """Print the backend's route decisions and what each route timing spent, per stage (the INFO
-    records of :mod:`inductor_ext.inductor.choice`): where a cold compile's time goes."""
-    logger = logging.getLogger("inductor_ext.inductor.choice")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    records of :mod:`inductor_ext.inductor.route_planner` and :mod:`inductor_ext.tuning.routes`):
+    where a cold compile's time goes."""
+    for name in ("inductor_ext.inductor.route_planner", "inductor_ext.tuning.routes"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def bench_graph_median(

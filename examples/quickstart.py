@@ -1,6 +1,6 @@
 """Quickstart: tune, compile and export a small HF-style Llama with inductor_ext.
 
-1. Tune: ``python -m inductor_ext.autotune tune --entry quickstart:tuning_entry`` traces the
+1. Tune: ``python -m inductor_ext.tuning tune --entry quickstart:tuning_entry`` traces the
    model on meta tensors (no weights) and tunes its fastops calls into a tuning database
    (a temporary one here; on CPU the calls are only recorded: nothing is timed there).
 2. Compile: ``torch.compile(model, backend="fastops_inductor")`` on the unmodified
@@ -148,7 +148,7 @@ def config_for(device: str) -> tuple[dict[str, Any], int, int]:
 
 
 def tuning_entry() -> tuple[nn.Module, list[tuple[tuple[int, int], torch.dtype]]]:
-    """For ``python -m inductor_ext.autotune tune --entry quickstart:tuning_entry`` (called on the meta device)."""
+    """For ``python -m inductor_ext.tuning tune --entry quickstart:tuning_entry`` (called on the meta device)."""
     config, batch, seq = config_for(os.environ.get("QUICKSTART_DEVICE", "cpu"))
     dtype = getattr(torch, os.environ.get("QUICKSTART_DTYPE", "float32"))
     return TinyLlama(**config).to(dtype), [((batch, seq), torch.long), ((batch, seq), torch.long)]
@@ -214,11 +214,11 @@ def demo(device_name: str, workdir: Path) -> int:
           f"{batch}x{seq} tokens; tuning database and package in {workdir} (removed at exit)")  # fmt: skip
 
     # 1. Tune from shapes alone, before any compile
-    print("\n== 1. python -m inductor_ext.autotune tune --entry quickstart:tuning_entry")
+    print("\n== 1. python -m inductor_ext.tuning tune --entry quickstart:tuning_entry")
     env = {**os.environ, "QUICKSTART_DEVICE": device_name, "QUICKSTART_DTYPE": str(dtype).removeprefix("torch."),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "inductor_ext.autotune", "tune", "--entry", "quickstart:tuning_entry",
+    subprocess.run([sys.executable, "-m", "inductor_ext.tuning", "tune", "--entry", "quickstart:tuning_entry",
                     "--device", device_name], env=env, check=True)  # fmt: skip
     print(f"({time.perf_counter() - start:.1f} s)")
 

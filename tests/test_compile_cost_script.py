@@ -91,7 +91,7 @@ def test_every_config_of_every_op_passes_tritons_frontend(tmp_path):
 def test_the_default_call_file_loads():
     """The call file ``compile_cost`` reads when none is given (beside it in benchmarks/)."""
     from benchmarks.compile_cost import DEFAULT_CALLS
-    from inductor_ext.autotune.calls import load_calls
+    from inductor_ext.tuning.cli.calls import load_calls
 
     ops = [call.family.name for call in load_calls(DEFAULT_CALLS)]
     assert len(ops) == 5 and "cross_entropy" in ops, ops

@@ -18,16 +18,29 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "inductor_ext"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor_ext.bench",),
     # The package facade (inductor_ext/__init__.py) re-exports runtime's export, nn, ops and registers the backend.
-    ("inductor_ext", "inductor_ext.runtime", "inductor_ext.models", "inductor_ext.autotune"),
-    ("inductor_ext.inductor",),
+    # The standalone tuner's command line (python -m inductor_ext.tuning; inductor_ext.autotune, its former name)
+    # traces models through the backend's rewrites and times routes, as the backend does.
+    (
+        "inductor_ext",
+        "inductor_ext.runtime",
+        "inductor_ext.models",
+        "inductor_ext.tuning.cli",
+        "inductor_ext.tuning.__main__",
+        "inductor_ext.autotune",
+    ),
+    # Route timing compiles an op's math with the backend's options; the backend's route planner calls it.
+    ("inductor_ext.inductor", "inductor_ext.tuning.routes"),
     ("inductor_ext.nn", "inductor_ext.reference"),
     ("inductor_ext.ops",),
-    # the op-definition core under the op files: registration launches through launch, which reads launch_controls
+    # the op-definition core under the op files: registration launches through launch
     ("inductor_ext.library",),
     ("inductor_ext.library.launch",),
-    ("inductor_ext.library.launch_controls",),
+    # what the launches read: first-launch tuning and its settings, the database and its kernel configs
+    # (and the timing, random inputs and rank agreement that route timing uses)
     ("inductor_ext.tuning",),
     ("inductor_ext.kernels",),
+    # the search spaces the kernels' autotuners prune to: they import only Triton
+    ("inductor_ext.tuning.search_spaces",),
     (
         "inductor_ext.version",
         "inductor_ext.runtime.tensor_file",  # leaves of runtime: they import nothing of the package
@@ -141,13 +154,23 @@ def test_the_checker_sees_upward_and_lazy_imports() -> None:
         "import importlib\n"
         "from inductor_ext.tuning.database import TuningDatabase\n"
         "def f():\n"
-        "    from ..inductor import choice\n"
-        "    return importlib.import_module('inductor_ext.autotune.tune')\n"
+        "    from ..inductor import backend\n"
+        "    return importlib.import_module('inductor_ext.tuning.cli.tune')\n"
     )
     path = PACKAGE_DIR / "ops" / "example.py"
     found = {module for _, module in imported_modules(path, source)}
-    assert found == {"inductor_ext.tuning.database", "inductor_ext.inductor.choice", "inductor_ext.autotune.tune"}
+    assert found == {"inductor_ext.tuning.database", "inductor_ext.inductor.backend", "inductor_ext.tuning.cli.tune"}
     assert [layer_of(module) < layer_of("inductor_ext.ops.example") for module in sorted(found)] == [True, True, False]
+
+
+def test_the_tuning_package_spans_layers_by_longest_prefix() -> None:
+    """``inductor_ext.tuning``'s modules sit where their imports put them: the search spaces under the
+    kernels, the database and first-launch tuning under the launches, route timing beside the backend,
+    the command line above it."""
+    order = ["tuning.cli.main", "tuning.routes", "library.launch", "tuning.first_launch", "kernels.rms_norm",
+             "tuning.search_spaces.norm"]  # fmt: skip
+    layers = [layer_of(f"inductor_ext.{name}") for name in order]
+    assert layers == sorted(layers) and len(set(layers)) == len(layers), dict(zip(order, layers))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE_DIR.parent)))

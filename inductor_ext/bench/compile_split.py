@@ -10,7 +10,7 @@ first training step) into phases:
 - ``inductor``: Inductor's compiles of the forward and backward graphs, of which ``triton compile``
   (waiting for the compile workers), ``c++ compile`` and ``autotune`` (benchmarking kernel configs,
   coordinate descent included);
-- ``route timing``: our kernels timed against Inductor's code (:data:`inductor_ext.inductor.choice.ROUTE_TIMER`);
+- ``route timing``: our kernels timed against Inductor's code (:data:`inductor_ext.tuning.routes.ROUTE_TIMER`);
 - ``passes``: each of our graph passes by name, in every stage it runs
   (:data:`inductor_ext.inductor.pipeline.PASS_TIMER_PREFIX`).
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from torch._dynamo.utils import compilation_time_metrics
 
-from inductor_ext.inductor.choice import ROUTE_TIMER
 from inductor_ext.inductor.pipeline import PASS_TIMER_PREFIX
+from inductor_ext.tuning.routes import ROUTE_TIMER
 
 INDUCTOR_PARTS = {
     "triton compile": ("async_compile.wait",),

@@ -7,7 +7,7 @@ On the graph Dynamo hands over (:class:`.recipe.CompileRecipe`, the same recipe 
    rewritten into fastops ops, norm outputs marked for recomputation, widening linear outputs
    returned lazily;
 2. each fastops op call's route, our kernels or Inductor's code from the op's aten math
-   (:mod:`.choice`; timed on random inputs at compile time under ``"auto"``);
+   (:mod:`.route_planner`; timed on random inputs at compile time under ``"auto"``: :mod:`inductor_ext.tuning.routes`);
 3. ``compile_fx`` with our Inductor config patches (multi-kernel on by default, compile-time
    autotuning with ``cpp_wrapper``) and the ``"joint"`` and ``"post_grad"`` passes as Inductor's
    custom joint-graph and post-grad passes, whose ``uuid`` versions the compile caches by our code, options and route decisions

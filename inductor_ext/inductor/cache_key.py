@@ -17,7 +17,7 @@ from pathlib import Path
 from inductor_ext.version import __version__
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-_VERSIONED_DIRS = ("library", "ops", "kernels", "inductor", "tuning", "autotune", "_compat")
+_VERSIONED_DIRS = ("library", "ops", "kernels", "inductor", "tuning", "_compat")
 
 
 def code_fingerprint(source: str) -> str:

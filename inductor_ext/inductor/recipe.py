@@ -11,10 +11,10 @@ from typing import Any
 from torch.fx import GraphModule
 
 from inductor_ext import _compat
-from inductor_ext.inductor.choice import RoutePlanner
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.inductor.pass_types import PassContext, Stage
 from inductor_ext.inductor.pipeline import INDUCTOR_SLOTS, InductorPasses, run_stage
+from inductor_ext.inductor.route_planner import RoutePlanner
 from inductor_ext.library.registration import route_ops
 from inductor_ext.tuning.database import TuningDatabase
 

@@ -40,7 +40,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from inductor_ext.kernels.ranking import in_search_order
+from inductor_ext.tuning.search_spaces.order import in_search_order
 
 MAX_PERSISTENT_BLOCK = 16384
 """Largest power-of-two row held in registers (fp32, 32 warps: 16 values per thread).

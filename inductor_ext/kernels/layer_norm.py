@@ -1,4 +1,4 @@
-"""LayerNorm Triton kernels (device code only; launch configs from :mod:`inductor_ext.kernels.norm_config`).
+"""LayerNorm Triton kernels (device code only; launch configs from :mod:`inductor_ext.tuning.search_spaces.norm`).
 
 Forward, for each row ``x`` of an ``(M, N)`` input, all in fp32::
 
@@ -22,7 +22,7 @@ and db accumulators per program spills, :func:`layer_norm_bwd_kernel` writes dx
 only (``PARAM_GRADS=False``) and :func:`layer_norm_bwd_param_grads_kernel` reduces
 dw and db over the rows in column tiles, reading x and dy a second time.
 
-Two strategies per kernel, chosen by autotuning among ``norm_config.search_space``:
+Two strategies per kernel, chosen by autotuning among :func:`inductor_ext.tuning.search_spaces.norm.search_space`:
 
 * persistent: the whole row in registers, ``BLOCK_M`` rows per step; the
   statistics are the exact two-pass ones (mean, then centred squares), x is read once.
@@ -35,7 +35,7 @@ Two strategies per kernel, chosen by autotuning among ``norm_config.search_space
   ``g * xhat``, the second writes dx and adds into the program's partials.
 
 The forward runs one program per block of rows (per row, looped). The backward
-runs a fixed number of programs (``norm_config.programs_per_sm`` per SM) that
+runs a fixed number of programs (``search_spaces.norm.programs_per_sm`` per SM) that
 stride over the rows, so each program's partial rows are written once, not once
 per row; its persistent variant may prefetch the next row block (``PREFETCH``).
 The looped kernels hint that the first walk's loads stay in L2 for the second.
@@ -44,7 +44,7 @@ The looped kernels hint that the first walk's loads stay in L2 for the second.
 import triton
 import triton.language as tl
 
-from inductor_ext.kernels.norm_config import autotune_kwargs
+from inductor_ext.tuning.search_spaces.norm import autotune_kwargs
 
 
 @triton.jit

@@ -26,7 +26,7 @@ fp32 and writes one partial row to ``DW_PARTIAL[pid, :]``; the caller sums the
 ``(num_programs, N)`` partials. No atomics.
 
 Two strategies per kernel, chosen by autotuning among
-:func:`inductor_ext.kernels.norm_config.search_space`:
+:func:`inductor_ext.tuning.search_spaces.norm.search_space`:
 
 * persistent: the whole row (``BLOCK_N = next_pow2(N)``) lives in registers,
   ``BLOCK_M`` rows per step; x is read once.
@@ -35,14 +35,14 @@ Two strategies per kernel, chosen by autotuning among
   32768.
 
 The forward runs one program per block of rows (per row, looped). The backward
-runs a fixed number of programs (:func:`~inductor_ext.kernels.norm_config.programs_per_sm` per SM) that stride
+runs a fixed number of programs (:func:`~inductor_ext.tuning.search_spaces.norm.programs_per_sm` per SM) that stride
 over the rows, so each program's dw partial is written once, not once per row.
 """
 
 import triton
 import triton.language as tl
 
-from inductor_ext.kernels.norm_config import autotune_kwargs
+from inductor_ext.tuning.search_spaces.norm import autotune_kwargs
 
 
 @triton.jit

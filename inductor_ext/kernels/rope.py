@@ -32,7 +32,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from inductor_ext.kernels.ranking import in_search_order
+from inductor_ext.tuning.search_spaces.order import in_search_order
 
 TILE_ELEMENTS = (2048, 4096, 8192)
 """Target elements of one program's tile (all channels it touches, all its heads and tokens)."""

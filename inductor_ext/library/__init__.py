@@ -11,10 +11,8 @@ files). Its modules, top to bottom (each imports only the ones below it):
   ``triton_op`` forward and backward, autograd, the eager bypass, decompositions), and the registries
   the backend, the tuner and export read (``FAMILIES``, ``DECOMPOSITIONS``, ``route_ops``).
 * :mod:`inductor_ext.library.launch`: kernel launches, traced inside registered ops
-  (``TraceableLaunch``) or direct in plain eager (``DirectLaunch``), and the registry of eager
-  first-launch picks.
-* :mod:`inductor_ext.library.launch_controls`: tuning-time settings of eager launches (quick or
-  thorough first launches, a forced config, launch logs) as context managers.
+  (``TraceableLaunch``) or direct in plain eager (``DirectLaunch``). How a first launch tunes, its
+  settings and the configs recorded in the tuning database are :mod:`inductor_ext.tuning`'s.
 * :mod:`inductor_ext.library.sharding`: the DTensor sharding rules an op file declares beside its op
   (:func:`~inductor_ext.library.sharding.sharding_rule`), the placement helpers they share, and their
   registration with DTensor (it imports none of the modules above).

@@ -6,44 +6,30 @@ outputs and launches Triton kernels through a :data:`Launch`:
 * :class:`TraceableLaunch` goes through ``wrap_triton``, so tracing (``torch.compile``,
   ``torch.export``) records the kernel: what an op body does.
 * :class:`DirectLaunch` launches straight from Python, for the eager bypass. An autotuned kernel's
-  first launch per autotune key tunes on an autotuner built for that launch
-  (:func:`first_launch_autotuner`); its pick is kept in a registry that any thread may read
-  (:func:`tuned_launch_configs`), and later launches run the picked config's JIT function directly.
+  first launch per autotune key tunes (:func:`inductor_ext.tuning.first_launch.tune_first_launch`),
+  and later launches run the picked config's JIT function directly.
 
 Neither class holds state. The tuning-time settings (quick or thorough first launches, a forced
-config, launch logs) are context variables set by :mod:`inductor_ext.library.launch_controls`.
+config, launch logs) are context variables set by :mod:`inductor_ext.tuning.launch_settings`.
 """
 
-import concurrent.futures
-import contextlib
-import copy
 import functools
-import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 from torch.library import wrap_triton
-from triton.runtime._async_compile import active_mode as async_compile_mode
 from triton.runtime.autotuner import Autotuner
 
-from inductor_ext.library.launch_controls import (
+from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.first_launch import Grid, candidate_configs, launch_key, recorded_pick, tune_first_launch
+from inductor_ext.tuning.kernel_configs import LAUNCH_OPTIONS, device_name_of, stored_config
+from inductor_ext.tuning.launch_settings import (
     autotuned_launch_log,
-    dry_run_log,
     forced_launch_config,
     quick_configs,
-    quick_do_bench,
     quick_first_launch_enabled,
-)
-from inductor_ext.tuning.database import TuningDatabase
-from inductor_ext.tuning.kernel_configs import (
-    LAUNCH_OPTIONS,
-    LaunchSignature,
-    device_name_of,
-    key_signature,
-    stored_config,
 )
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -58,9 +44,6 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
 
 
-Grid = Callable[[dict[str, Any]], tuple[int, ...]]
-
-
 @functools.cache
 def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -72,16 +55,6 @@ def grid_stride_programs(device: torch.device, per_sm: int) -> int:
     if device.type == "cuda":
         return per_sm * sm_count(device.index)
     return 4
-
-
-def candidate_configs(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> list[triton.Config]:
-    """The configs ``kernel``'s autotuner times for this launch (its pruning applied).
-
-    Triton's pruning reads the launch's arguments from the autotuner (``nargs``): they are set on a
-    shallow copy, not on ``kernel``, which another thread may be using."""
-    view = copy.copy(kernel)
-    view.nargs = dict(zip(kernel.arg_names, args))
-    return view.prune_configs(kwargs)
 
 
 class TraceableLaunch:
@@ -124,82 +97,12 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
     )(kernel.fn)
 
 
-TunedKey = tuple[Any, LaunchSignature]
-"""What an eager first launch's pick is keyed by (:func:`launch_key`)."""
-
-_tuned: dict[TunedKey, dict[str, Any]] = {}
-"""Each eager first launch's pick (config kwargs, never changed once stored). Written and copied under
-``_tuned_lock``; a launch reads its own entry with one ``dict.get``, which is atomic (taking the lock
-there cost 0.19 µs per launch on a 2-core CPU host: the bypass exists to save host time)."""
-_tuned_lock = threading.Lock()
-
-
-def launch_key(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> TunedKey:
-    """What eager first launches' picks are keyed by: the kernel and its autotuner's cache key for this launch."""
-    return kernel, key_signature(kernel, args, kwargs)
-
-
-def tuned_launch_configs() -> dict[TunedKey, dict[str, Any]]:
-    """A copy of every pick eager first launches made in this process, ``{launch_key: config kwargs}``:
-    what route timing records in the tuning database."""
-    with _tuned_lock:
-        return {key: dict(config) for key, config in _tuned.items()}
-
-
-def tuned_launch_config(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """A copy of the config (kwargs) an eager first launch picked for this launch of ``kernel``, or None."""
-    config = _tuned_config(launch_key(kernel, args, kwargs))
-    return None if config is None else dict(config)
-
-
-def clear_tuned_launch_configs() -> None:
-    """Forget every pick: the next eager launch of each autotuned kernel tunes again."""
-    with _tuned_lock:
-        _tuned.clear()
-
-
-def _tuned_config(key: TunedKey) -> dict[str, Any] | None:
-    return _tuned.get(key)  # atomic: see _tuned
-
-
-def _record_tuned(key: TunedKey, config: dict[str, Any]) -> None:
-    """Keep ``config`` as the pick for ``key`` unless another thread's first launch stored one first."""
-    with _tuned_lock:
-        _tuned.setdefault(key, config)
-
-
-def first_launch_autotuner(kernel: Autotuner, args: Sequence[Any], kwargs: dict[str, Any]) -> Autotuner:
-    """The autotuner a first launch of ``kernel`` tunes on, built for this launch: it offers this
-    launch's candidate configs (:func:`candidate_configs`), the first
-    :data:`~inductor_ext.library.launch_controls.QUICK_FIRST_LAUNCH_CONFIGS` timed for
-    :data:`~inductor_ext.library.launch_controls.AUTOTUNE_BENCH_MS` each while first launches are quick,
-    every one for Triton's full budget within
-    :func:`~inductor_ext.library.launch_controls.thorough_benchmarks`; ``key``, ``restore_value`` and
-    ``reset_to_zero`` kept (the key matters only to Triton's on-disk autotuning cache, when enabled).
-
-    Not ``kernel``'s own autotuner: Triton's keeps each run's arguments and pick on itself (``nargs``,
-    ``best_config``) while another thread may be running it, and its configs and benchmark settings
-    are what Inductor reads when it traces the kernel. Both are left as they are.
-    """
-    configs = candidate_configs(kernel, args, kwargs)
-    quick = quick_first_launch_enabled()
-    tuner = triton.autotune(
-        configs=quick_configs(configs) if quick else configs,
-        key=kernel.keys,
-        restore_value=kernel.restore_value,
-        reset_to_zero=kernel.reset_to_zero,
-    )(kernel.fn)
-    if quick:
-        tuner.do_bench = quick_do_bench()  # type: ignore[misc]
-    return tuner
-
-
 class DirectLaunch:
     """Launches straight from Python, for the eager bypass.
 
     On CUDA the first launch per autotune key tunes on an autotuner of its own
-    (:func:`first_launch_autotuner`: quick unless within ``thorough_benchmarks``) and records its
-    pick (:func:`tuned_launch_configs`); later ones launch the picked config's JIT function
+    (:func:`~inductor_ext.tuning.first_launch.tune_first_launch`: quick unless within
+    ``thorough_benchmarks``) and records its pick; later ones launch the picked config's JIT function
     directly, skipping the autotuner's per-call bookkeeping (the bypass exists to save host time).
     Under the interpreter, where the autotuner cannot benchmark, it launches the config of
     ``force_launch_config`` or else the first pruned config (the heuristic's pick).
@@ -215,10 +118,6 @@ class DirectLaunch:
         self._interpreter = _INTERPRET if interpreter is None else interpreter
 
     def __call__(self, kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
-        dry_run = dry_run_log()
-        if dry_run is not None:
-            dry_run.append((kernel, tuple(args), dict(kwargs)))
-            return
         if not isinstance(kernel, Autotuner):
             kernel.run(*args, grid=grid(kwargs), warmup=False, **kwargs)
             return
@@ -232,12 +131,9 @@ class DirectLaunch:
             kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
             return
         key = launch_key(kernel, args, kwargs)
-        tuned = _tuned_config(key)
+        tuned = recorded_pick(key)
         if tuned is None:
-            tuner = first_launch_autotuner(kernel, args, kwargs)
-            precompile_configs(tuner, grid, args, kwargs)
-            tuner[grid](*args, **kwargs)
-            _record_tuned(key, tuner.best_config.all_kwargs())
+            tune_first_launch(kernel, grid, args, kwargs, key)
             return
         meta = {**kwargs, **tuned}
         kernel.fn.run(*args, grid=grid(meta), warmup=False, **meta)
@@ -253,28 +149,3 @@ def _forced_config_for(kernel: Any) -> dict[str, Any] | None:
 
 
 Launch = TraceableLaunch | DirectLaunch
-
-
-def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Compile every config ``kernel``'s autotuner will time for this launch, in parallel; its
-    timing then finds them compiled.
-
-    Triton's autotuner compiles them one by one as it times them: the 18 RMSNorm backward configs
-    take 7.6 s on one thread, 4.3 s on two (Triton's compiler releases the GIL in part; measured
-    compiling for sm_90 on a 2-core CPU host). With the timing itself (:func:`first_launch_autotuner`),
-    this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
-    Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
-    only the compile to a worker thread; leaving the mode installs the kernels in the cache.
-    Inductor's compile-worker processes were tried instead (on the H200): slower, since each
-    worker imports the package on its first job (RMSNorm's 28 configs: 17.8 s against 6.5 s on
-    threads in a fresh process; 6.5 s against 5.8 s with the pool already up).
-    """
-    configs = candidate_configs(kernel, args, kwargs)
-    workers = min(len(configs), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        # a mode the caller already opened takes the compiles instead (Triton allows one at a time)
-        mode = triton.AsyncCompileMode(pool) if async_compile_mode.get() is None else contextlib.nullcontext()
-        with mode:
-            for config in configs:
-                meta = {**kwargs, **config.all_kwargs()}
-                kernel.fn.warmup(*args, grid=grid(meta), **meta)

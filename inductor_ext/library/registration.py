@@ -21,7 +21,7 @@ The same aten math is registered in :data:`DECOMPOSITIONS` for the
 
 This module registers ops and finds them (:data:`FAMILIES`, :data:`FAMILY_OF`); the launches an
 op's kernels go through are :mod:`inductor_ext.library.launch`, and the tuning-time settings of the
-eager ones :mod:`inductor_ext.library.launch_controls`.
+eager ones :mod:`inductor_ext.tuning.launch_settings`.
 """
 
 import contextlib
@@ -52,7 +52,7 @@ FAMILY_OF: dict[str, str] = {}
 
 IN_PLACE_TIMING: dict[OpOverload, "InPlaceTiming"] = {}
 """Backward op -> its in-place timing, used by route timing when its largest input takes at least
-:data:`IN_PLACE_TIMING_MIN_BYTES` (``inductor.choice.call_directions``)."""
+:data:`IN_PLACE_TIMING_MIN_BYTES` (``tuning.routes.call_directions``)."""
 
 IN_PLACE_TIMING_MIN_BYTES = 256 * 2**20
 """Below this the functional op is timed: a copy of the input costs the standalone tuner's peak

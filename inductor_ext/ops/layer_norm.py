@@ -27,13 +27,13 @@ from inductor_ext.kernels.layer_norm import (
     layer_norm_bwd_param_grads_kernel,
     layer_norm_fwd_kernel,
 )
-from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
 from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sharding_rule, weight_grad_placement
 from inductor_ext.ops._arguments import check_real
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
+from inductor_ext.tuning.search_spaces.norm import programs_per_sm
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -31,7 +31,6 @@ import triton
 from torch import Tensor
 from torch._ops import OpOverload
 
-from inductor_ext.kernels.norm_config import programs_per_sm
 from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from inductor_ext.library.launch import Launch, grid_stride_programs
 from inductor_ext.library.registration import define_op_family
@@ -39,6 +38,7 @@ from inductor_ext.library.sharding import Strategy, replicated, shard_inputs, sh
 from inductor_ext.ops._arguments import check_real
 from inductor_ext.ops._layout import rows_2d, unit_last_stride
 from inductor_ext.ops._reduce import sum_partial_rows
+from inductor_ext.tuning.search_spaces.norm import programs_per_sm
 
 CASTINGS = ("llama", "gemma")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

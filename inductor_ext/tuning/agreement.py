@@ -2,7 +2,7 @@
 the others read its answer.
 
 The backend decides each fastops call's route at compile time by timing
-(:mod:`inductor_ext.inductor.choice`). Every rank of a data- or tensor-parallel job compiles the same
+(:mod:`inductor_ext.tuning.routes`). Every rank of a data- or tensor-parallel job compiles the same
 graphs, and timing noise alone could route an op differently on two ranks, giving them different
 code and different rounding. With a default process group of more than one rank, :func:`agreed`
 makes the decision once for all of them through the group's store (the key-value store the ranks

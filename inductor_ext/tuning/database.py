@@ -5,7 +5,7 @@ Location: ``$INDUCTOR_EXT_CACHE_DIR/tuning.json``; without the variable,
 
 Format: ``{"entries": {key: {"versions": {...}, "record": {...}}}}``. Each entry is keyed
 by what it was measured for (op, argument signature, device: see
-:func:`inductor_ext.inductor.choice.route_key`) and stores the versions it was measured
+:func:`inductor_ext.tuning.routes.route_key`) and stores the versions it was measured
 with; an entry whose versions differ from the running ones (:func:`current_versions`) is
 ignored, and dropped on the next write.
 
@@ -133,7 +133,7 @@ class TuningDatabase:
 
     def _malformed(self, problem: str) -> ValueError:
         return ValueError(
-            f"tuning database {self.path} {problem}; delete it or run `python -m inductor_ext.autotune clear`"
+            f"tuning database {self.path} {problem}; delete it or run `python -m inductor_ext.tuning clear`"
         )
 
     def _write(self, entries: dict[str, Any]) -> None:

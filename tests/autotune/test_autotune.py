@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 
 import inductor_ext  # noqa: F401  (registers the ops)
-from inductor_ext.autotune.__main__ import main
-from inductor_ext.autotune.calls import load_calls
-from inductor_ext.autotune.trace import calls_from_entry
-from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.cross_entropy import cross_entropy_family
 from inductor_ext.ops.rms_norm import rms_norm_family
 from inductor_ext.ops.rope import rope_family
 from inductor_ext.tuning import database as database_module
+from inductor_ext.tuning import routes
+from inductor_ext.tuning.cli.calls import load_calls
+from inductor_ext.tuning.cli.main import main
+from inductor_ext.tuning.cli.trace import calls_from_entry
 from inductor_ext.tuning.database import TuningDatabase
 from inductor_ext.tuning.inputs import IGNORED_FRACTION, random_inputs
 from inductor_ext.tuning.timing import signature
@@ -143,7 +143,7 @@ def _route_ops(entries: dict[str, dict]) -> list[str]:
 
 
 def test_help():
-    proc = subprocess.run([sys.executable, "-m", "inductor_ext.autotune", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "inductor_ext.tuning", "--help"],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert all(command in proc.stdout for command in ("tune", "show", "clear"))
@@ -151,6 +151,15 @@ def test_help():
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--help"])
         assert exit_info.value.code == 0
+
+
+def test_the_former_command_runs_the_tuner_with_a_future_warning():
+    """``python -m inductor_ext.autotune`` still works until the next release, and names its successor."""
+    proc = subprocess.run([sys.executable, "-m", "inductor_ext.autotune", "--help"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m inductor_ext.tuning" in proc.stdout
+    assert "FutureWarning" in proc.stderr and "python -m inductor_ext.tuning" in proc.stderr
 
 
 def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
@@ -180,7 +189,7 @@ def test_tune_tiny_model_on_cpu_records_the_rewritten_calls_untuned(capsys):
 def test_llama_8b_sized_model_is_traced_without_materialising_weights():
     """One 8B-sized layer with embedding and LM head holds ~2.5 GB of bf16 weights; tracing
     must not allocate them (the entry runs under torch.device('meta'))."""
-    from inductor_ext.autotune.trace import calls_from_entry
+    from inductor_ext.tuning.cli.trace import calls_from_entry
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     calls = calls_from_entry("tests.autotune.test_autotune:llama_8b_block")
@@ -202,8 +211,8 @@ def test_calls_file_round_trip(tmp_path, capsys):
     assert main(["tune", "--calls", str(path), "--device", "cpu"]) == 0
     rms_args = (torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta"), None, 1e-6, 0.0, "llama")
     expected = {
-        choice.route_key("fastops::rms_norm_fwd", signature(rms_args), "cpu"),
-        choice.route_key(
+        routes.route_key("fastops::rms_norm_fwd", signature(rms_args), "cpu"),
+        routes.route_key(
             "fastops::cross_entropy_fwd", "(bfloat16[8192,128256], int64[8192], -100, 0.0, 0.0, 0.0, 'mean')", "cpu"
         ),
     }
@@ -286,17 +295,17 @@ def test_argument_errors(capsys, tmp_path):
 def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, capsys):
     """The GPU path with the timing replaced by a recorder (no GPU here): the CLI's decisions land
     under the keys the backend's planner reads, so a compile with the warm database times nothing."""
-    from inductor_ext.autotune import __main__ as cli
+    from inductor_ext.tuning.cli import main as cli
 
     measured = []
 
     def fake_measure(family, args, options, device):
         measured.append(family.name)
-        return [choice.RouteDecision(op._name, signature(args), "kernel", "measured", 1.0, 2.5, 0.02, 0.1)
+        return [routes.RouteDecision(op._name, signature(args), "kernel", "measured", 1.0, 2.5, 0.02, 0.1)
                 for op in (family.fwd, family.bwd)]  # fmt: skip
 
-    monkeypatch.setattr(choice, "measure_routes", fake_measure)
-    monkeypatch.setattr(choice, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(routes, "measure_routes", fake_measure)
+    monkeypatch.setattr(routes, "device_name", lambda device: "Fake GPU")
     monkeypatch.setattr(cli, "device_name", lambda device: "Fake GPU")
     path = tmp_path / "calls.json"
     path.write_text(json.dumps([{"op": "rms_norm_fwd", "args": _RMS_OK}]))
@@ -306,9 +315,9 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
     assert "rms_norm_bwd" in table and "2.50x" in table and "measured" in table
     assert "1.0000 ±0.0100" in table and "2.5000 ±0.0500" in table  # medians with the spread recorded
     call = load_calls(path)[0]
-    assert list(_entries()) == [choice.route_key("fastops::rms_norm_fwd", call.signature, "Fake GPU")]
+    assert list(_entries()) == [routes.route_key("fastops::rms_norm_fwd", call.signature, "Fake GPU")]
 
-    decisions = choice.decide_routes(
+    decisions = routes.decide_routes(
         rms_norm_family, call.args, BackendOptions(), TuningDatabase(), torch.device("cuda")
     )
     assert measured == ["rms_norm"]  # warm: read, not timed
@@ -322,14 +331,14 @@ def test_a_family_without_kernels_has_no_route_to_time(monkeypatch, tmp_path):
 
     from inductor_ext.ops.lora import lora_linear_family
 
-    monkeypatch.setattr(choice, "measure_routes", lambda *args: pytest.fail("timed a family without kernels"))
+    monkeypatch.setattr(routes, "measure_routes", lambda *args: pytest.fail("timed a family without kernels"))
     with FakeTensorMode():
         x, weight = torch.empty(8, 16, device="cuda"), torch.empty(32, 16, device="cuda")
         lora_a, lora_b = torch.empty(4, 16, device="cuda"), torch.empty(32, 4, device="cuda")
     args = (x, weight, None, lora_a, lora_b, 2.0, None, 0.0)
     database = TuningDatabase()
     assert not lora_linear_family.has_kernels and rms_norm_family.has_kernels
-    assert choice.decide_routes(lora_linear_family, args, BackendOptions(), database, torch.device("cuda")) == []
+    assert routes.decide_routes(lora_linear_family, args, BackendOptions(), database, torch.device("cuda")) == []
     assert not list(_entries())
 
 
@@ -516,7 +525,8 @@ def test_kernel_config_records_round_trip_and_narrow_traced_launches():
     """A config picked while timing comes back for the same launch key (and only for it), and a traced
     launch then offers Inductor that config alone, restore_value kept."""
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel as kernel
-    from inductor_ext.library.launch import launch_key, pruned_autotuner
+    from inductor_ext.library.launch import pruned_autotuner
+    from inductor_ext.tuning.first_launch import launch_key
     from inductor_ext.tuning.kernel_configs import records, stored_config
 
     args, kwargs = _ce_launch(5000)
@@ -552,11 +562,11 @@ def test_symbolic_launch_keys_have_no_stored_config():
 
 def test_tuning_skips_a_call_that_runs_out_of_gpu_memory(monkeypatch, tmp_path, caplog):
     """One call too large for the GPU's free memory is skipped with a warning; the others are tuned."""
-    from inductor_ext.autotune import tune
-    from inductor_ext.autotune.calls import meta_call
-    from inductor_ext.inductor.choice import RouteDecision
     from inductor_ext.inductor.options import BackendOptions
     from inductor_ext.ops.rms_norm import rms_norm_family
+    from inductor_ext.tuning.cli import tune
+    from inductor_ext.tuning.cli.calls import meta_call
+    from inductor_ext.tuning.routes import RouteDecision
 
     def decide(family, args, options, database, device):
         if args[0].shape[0] > 1000:

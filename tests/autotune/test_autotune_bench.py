@@ -4,8 +4,8 @@ import torch
 
 import inductor_ext  # noqa: F401  (registers the ops)
 from benchmarks.autotune import block
-from inductor_ext.autotune.trace import calls_from_entry
-from inductor_ext.inductor.choice import fastops_calls
+from inductor_ext.tuning.cli.trace import calls_from_entry
+from inductor_ext.tuning.routes import fastops_calls
 from inductor_ext.tuning.timing import signature
 
 

@@ -1,4 +1,4 @@
-"""Every rank takes the same route decisions (:func:`inductor_ext.inductor.choice.decide_routes`
+"""Every rank takes the same route decisions (:func:`inductor_ext.tuning.routes.decide_routes`
 through :mod:`inductor_ext.tuning.agreement`), on 2 gloo ranks.
 
 Route timing runs only on GPUs, so the timing is replaced by one that answers differently on each
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.xdist_group("two_ranks")  # one worker runs the two-ran
 def _run(rank: int, world_size: int, results_path: str) -> None:
     import torch.distributed as dist
 
-    from inductor_ext.inductor import choice
     from inductor_ext.inductor.options import parse_options
     from inductor_ext.library.registration import FAMILIES
+    from inductor_ext.tuning import routes
     from inductor_ext.tuning.database import TuningDatabase
 
     family = next(f for f in FAMILIES.values() if f.name == "rms_norm")
@@ -32,18 +32,18 @@ def _run(rank: int, world_size: int, results_path: str) -> None:
     timed: list[str] = []
 
     def measure(family: Any, args: Any, options: Any, device: Any) -> list[Any]:
-        timed.append(choice.signature(args))
+        timed.append(routes.signature(args))
         if rank == 1 and args[0].shape[0] == 7:
             raise RuntimeError("timing failed")
         route = "kernel" if rank == 0 else "inductor"
-        return [choice.RouteDecision(family.fwd._name, choice.signature(args), route, "measured", 1.0, 2.0)]
+        return [routes.RouteDecision(family.fwd._name, routes.signature(args), route, "measured", 1.0, 2.0)]
 
-    choice.measure_routes = measure  # this process only (spawned)
+    routes.measure_routes = measure  # this process only (spawned)
     cpu = torch.device("cpu")
 
     def decide(rows: int) -> list[dict[str, Any]]:
         args = (torch.randn(rows, 16), torch.randn(16), 1e-6, 0.0, "llama")
-        return [dict(vars(d)) for d in choice.decide_routes(family, args, options, database, cpu)]
+        return [dict(vars(d)) for d in routes.decide_routes(family, args, options, database, cpu)]
 
     results: dict[str, Any] = {}
     # the same key on both ranks; then two keys asked in opposite orders (no rank may wait on the other)

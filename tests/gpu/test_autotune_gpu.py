@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.inductor import choice
 from inductor_ext.inductor.options import BackendOptions
 from inductor_ext.ops.rms_norm import rms_norm_family, rms_norm_ref
+from inductor_ext.tuning import routes
 from inductor_ext.tuning.database import TuningDatabase
 from tests.gpu.compile_checks import record_benchmarked_kernels, run_and_get_joined_code
 
@@ -18,13 +18,13 @@ def test_warm_database_compiles_with_no_timing_and_the_recorded_config(monkeypat
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path))
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    # what `python -m inductor_ext.autotune tune` does for this call: time both routes, record the picks
-    choice.decide_routes(rms_norm_family, (x, w, 1e-6, 0.0, "llama"), BackendOptions(), TuningDatabase(), x.device)
+    # what `python -m inductor_ext.tuning tune` does for this call: time both routes, record the picks
+    routes.decide_routes(rms_norm_family, (x, w, 1e-6, 0.0, "llama"), BackendOptions(), TuningDatabase(), x.device)
     configs = [k for k, _ in TuningDatabase().items() if k.startswith("config|rms_norm_fwd_kernel")]
     assert configs, list(dict(TuningDatabase().items()))
 
     timed = record_benchmarked_kernels(monkeypatch)
-    monkeypatch.setattr(choice, "measure_routes", lambda *a, **k: timed.append("route timing") or [])
+    monkeypatch.setattr(routes, "measure_routes", lambda *a, **k: timed.append("route timing") or [])
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda x, w: rms_norm_ref(x, w, 1e-6), backend="fastops_inductor", options={"fastops.route": "kernel"}
@@ -42,7 +42,7 @@ def test_hf_config_of_a_llama_traces_every_rewritten_op(monkeypatch, tmp_path):
     """``tune --hf-config``: transformers' own Llama built from a config on the meta device (no weights);
     its norms, RoPE, MLP and loss are all found. (transformers is installed on the GPU machine, not in CI.)"""
     transformers = pytest.importorskip("transformers")
-    from inductor_ext.autotune.__main__ import main
+    from inductor_ext.tuning.cli.main import main
 
     monkeypatch.setenv("INDUCTOR_EXT_CACHE_DIR", str(tmp_path / "cache"))
     config = transformers.LlamaConfig(
@@ -82,7 +82,7 @@ def test_first_launch_compiles_every_candidate_config_before_timing():
     import triton
 
     from inductor_ext.kernels.rms_norm import rms_norm_fwd_kernel
-    from inductor_ext.library.launch import candidate_configs, precompile_configs
+    from inductor_ext.tuning.first_launch import candidate_configs, precompile_configs
 
     m, n = 300, 5000  # a row length no other test launches, so nothing is compiled yet
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def test_first_launch_times_each_config_with_the_short_budget(monkeypatch):
     """DirectLaunch's first launch autotunes the first QUICK_FIRST_LAUNCH_CONFIGS configs with
     AUTOTUNE_BENCH_MS each; later launches time nothing."""
 
-    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
+    from inductor_ext.tuning.launch_settings import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS
 
     budgets = _record_benchmark_budgets(monkeypatch)
     x = torch.randn(333, 2999, device="cuda", dtype=torch.bfloat16)  # a row length no other test launches
@@ -137,8 +137,8 @@ def test_thorough_benchmarks_keep_tritons_budget_on_first_launches(monkeypatch):
     """Within thorough_benchmarks (the standalone tuner's setting) a first launch times every candidate
     config with Triton's default budget; outside, the first QUICK_FIRST_LAUNCH_CONFIGS with AUTOTUNE_BENCH_MS."""
 
-    from inductor_ext.library.launch import candidate_configs
-    from inductor_ext.library.launch_controls import (
+    from inductor_ext.tuning.first_launch import candidate_configs
+    from inductor_ext.tuning.launch_settings import (
         AUTOTUNE_BENCH_MS,
         QUICK_FIRST_LAUNCH_CONFIGS,
         record_autotuned_launches,

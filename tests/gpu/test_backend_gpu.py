@@ -8,7 +8,7 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401
 from inductor_ext._compat import kernel_analysis_cache
-from inductor_ext.inductor import choice
+from inductor_ext.tuning import routes
 from tests.gpu.compile_checks import ISOLATED_CUDA_COMPILES
 from tests.tolerances import rel_err
 
@@ -68,8 +68,8 @@ def test_auto_route_uses_the_database_when_warm(monkeypatch):
     module = _llama_norm(2048)
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
     calls = []
-    measure = choice.measure_routes
-    monkeypatch.setattr(choice, "measure_routes", lambda *a: calls.append(a) or measure(*a))
+    measure = routes.measure_routes
+    monkeypatch.setattr(routes, "measure_routes", lambda *a: calls.append(a) or measure(*a))
     for _ in range(2):
         torch._dynamo.reset()
         with torch.no_grad():

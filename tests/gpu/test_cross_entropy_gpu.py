@@ -6,8 +6,8 @@ import torch
 
 import inductor_ext
 from inductor_ext.kernels.cross_entropy import bwd_search_space, search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 from tests.tolerances import rel_err
 

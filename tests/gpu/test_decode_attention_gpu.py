@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.kernels.decode_attention import decode_attention_partial_kernel, decode_attention_partial_sum_kernel
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.tolerances import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -42,15 +42,15 @@ def _route_agreement(rank: int, world_size: int, results_path: str) -> None:
     """Both ranks decide the routes of an RMSNorm call at a benchmark shape, each with a database of its own."""
     import torch.distributed as dist
 
-    from inductor_ext.inductor import choice
     from inductor_ext.inductor.options import parse_options
     from inductor_ext.library.registration import FAMILIES
+    from inductor_ext.tuning import routes
     from inductor_ext.tuning.database import TuningDatabase
 
     family = next(f for f in FAMILIES.values() if f.name == "rms_norm")
     database = TuningDatabase(Path(results_path).parent / f"rank{rank}" / "tuning.json")
     args = (torch.randn(8192, 2048, dtype=torch.bfloat16), torch.randn(2048, dtype=torch.bfloat16), 1e-6, 0.0, "llama")
-    decisions = choice.decide_routes(family, args, parse_options(None)[0], database, torch.device("cuda", rank))
+    decisions = routes.decide_routes(family, args, parse_options(None)[0], database, torch.device("cuda", rank))
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, [[d.op, d.route, d.reason] for d in decisions])
     if rank == 0:

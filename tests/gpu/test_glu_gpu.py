@@ -6,7 +6,6 @@ import torch
 
 import inductor_ext
 from inductor_ext.kernels.glu import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.glu import (
     geglu,
     geglu_packed,
@@ -15,6 +14,7 @@ from inductor_ext.ops.glu import (
     swiglu_packed,
     swiglu_ref,
 )
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 from tests.tolerances import rel_err
 

@@ -64,9 +64,9 @@ def test_no_affine_and_mixed_parameter_dtype():
 
 def test_statistics_are_stable_when_mean_dominates():
     """|mean| = 1000 std: both the persistent and the looped (Welford) statistics stay exact to fp32."""
-    from inductor_ext.kernels.norm_config import search_space
-    from inductor_ext.library.launch_controls import force_launch_config
     from inductor_ext.ops.layer_norm import layer_norm_family
+    from inductor_ext.tuning.launch_settings import force_launch_config
+    from inductor_ext.tuning.search_spaces.norm import search_space
 
     for n in (4096, 70000):
         x = 1000 + torch.randn(512, n, device="cuda")
@@ -82,8 +82,8 @@ def test_statistics_are_stable_when_mean_dominates():
 
 
 def test_every_config_is_correct():
-    from inductor_ext.kernels.norm_config import search_space
-    from inductor_ext.library.launch_controls import force_launch_config
+    from inductor_ext.tuning.launch_settings import force_launch_config
+    from inductor_ext.tuning.search_spaces.norm import search_space
 
     for n in (4096, 70000):
         x = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
@@ -134,8 +134,8 @@ def test_two_pass_backward_every_config_and_compiled():
     against float64 (a bf16 train step at 300 x N), and a compiled train step launches the dx
     kernel and the dw/db kernel as user-defined Triton kernels."""
     from inductor_ext.kernels.layer_norm import layer_norm_bwd_param_grads_kernel
-    from inductor_ext.library.launch_controls import force_launch_config
     from inductor_ext.ops.layer_norm import TWO_PASS_BACKWARD_MIN_N
+    from inductor_ext.tuning.launch_settings import force_launch_config
 
     n = TWO_PASS_BACKWARD_MIN_N
     x = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)

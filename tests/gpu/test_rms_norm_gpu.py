@@ -51,8 +51,8 @@ def test_matches_float64_as_closely_as_compiled_reference(shape, dtype, casting)
 
 
 def test_every_config_is_correct():
-    from inductor_ext.kernels.norm_config import search_space
-    from inductor_ext.library.launch_controls import force_launch_config
+    from inductor_ext.tuning.launch_settings import force_launch_config
+    from inductor_ext.tuning.search_spaces.norm import search_space
 
     for n in (4096, 12288, 16384, 70000):  # 12288: padded to a 16384-wide block
         x = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)

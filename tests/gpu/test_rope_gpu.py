@@ -8,12 +8,12 @@ import triton
 
 import inductor_ext
 from inductor_ext.kernels.rope import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
 )
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.gpu.compile_checks import compile_with_cpp_wrapper_counting_tuning, run_and_get_joined_code
 from tests.tolerances import rel_err
 

@@ -15,11 +15,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import inductor_ext  # noqa: F401  (registers the backend)
-from inductor_ext.autotune.trace import trace_calls
 from inductor_ext.inductor.options import BackendOptions, parse_options
 from inductor_ext.inductor.pass_types import PassContext
 from inductor_ext.inductor.pipeline import InductorPasses
 from inductor_ext.ops.rope import apply_rotary_pos_emb_ref
+from inductor_ext.tuning.cli.trace import trace_calls
 from inductor_ext.tuning.inputs import random_inputs
 from tests.hf_spellings import (
     CausalLMLoss,
@@ -311,14 +311,12 @@ def test_backend_starts_inductors_compile_workers_before_route_timing(monkeypatc
     Triton config of those kernels in this process, one by one, until they are up."""
     import torch._inductor.async_compile
 
-    from inductor_ext.inductor import choice
+    from inductor_ext.inductor.route_planner import RoutePlanner
 
     events = []
     monkeypatch.setattr(torch._inductor.async_compile, "maybe_warm_pool", lambda: events.append("warm pool"))
-    plan_graph = choice.RoutePlanner.plan_graph
-    monkeypatch.setattr(
-        choice.RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm)
-    )
+    plan_graph = RoutePlanner.plan_graph
+    monkeypatch.setattr(RoutePlanner, "plan_graph", lambda self, gm: events.append("plan") or plan_graph(self, gm))
     torch.compile(LlamaRMSNorm(32), backend="fastops_inductor", fullgraph=True)(torch.randn(4, 32))
     assert events[:2] == ["warm pool", "plan"]
 
@@ -328,13 +326,13 @@ def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplo
     weights and activations): running out of GPU memory there must not fail the compile."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from inductor_ext.inductor import choice
+    from inductor_ext.inductor import route_planner
     from inductor_ext.ops.rms_norm import rms_norm_family
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(choice, "decide_routes", out_of_memory)
+    monkeypatch.setattr(route_planner, "decide_routes", out_of_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with FakeTensorMode():  # shapes on a "cuda" device, no GPU needed
         x, w = (
@@ -342,7 +340,7 @@ def test_route_timing_out_of_memory_falls_back_to_our_kernels(monkeypatch, caplo
             torch.empty(256, device="cuda", dtype=torch.bfloat16),
         )
     args = (x, w, 1e-6, 0.0, "llama")
-    planner = choice.RoutePlanner(BackendOptions())
+    planner = route_planner.RoutePlanner(BackendOptions())
     planner.plan_call(rms_norm_family, args)
     (decision,) = planner.decisions.values()
     assert (decision.route, decision.reason) == ("kernel", "untimed: out of GPU memory")
@@ -356,9 +354,8 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
     both. Timed with a CPU clock here (CUDA events on a GPU)."""
     import time
 
-    from inductor_ext.inductor import choice
     from inductor_ext.ops.rms_norm import rms_norm_family
-    from inductor_ext.tuning import timing
+    from inductor_ext.tuning import routes, timing
 
     def cpu_median_ms(run, make_inputs):
         inputs = make_inputs()
@@ -367,18 +364,18 @@ def test_route_timing_runs_inside_a_dynamo_compile(monkeypatch, caplog):
         run(inputs)
         return (time.perf_counter() - start) * 1e3, 0.0
 
-    monkeypatch.setattr(choice, "median_ms", cpu_median_ms)
+    monkeypatch.setattr(routes, "median_ms", cpu_median_ms)
     assert timing.median_ms is not cpu_median_ms
     decisions = []
 
     def backend(gm, example_inputs):
         x, w = example_inputs
         options = BackendOptions(cpp_wrapper=True)
-        decisions.extend(choice.measure_routes(rms_norm_family, (x.view(-1, 48), w, 1e-6, 0.0, "llama"), options))
+        decisions.extend(routes.measure_routes(rms_norm_family, (x.view(-1, 48), w, 1e-6, 0.0, "llama"), options))
         return gm.forward
 
     x, w = torch.randn(6, 48), torch.randn(48)
-    with caplog.at_level("INFO", logger="inductor_ext.inductor.choice"):
+    with caplog.at_level("INFO", logger="inductor_ext.tuning.routes"):
         torch.compile(lambda x, w: x * w, backend=backend, fullgraph=True)(x, w)
     # where the time went, per stage (what a cold compile's cost is made of)
     assert "route timing of rms_norm, seconds: first launches beside Inductor's compiles" in caplog.text
@@ -397,13 +394,13 @@ def test_route_timing_compiles_inductor_route_beside_first_launches(monkeypatch)
     both see the other only if they run at once."""
     import threading
 
-    from inductor_ext.inductor import choice
     from inductor_ext.ops.rms_norm import rms_norm_family
+    from inductor_ext.tuning import routes
 
-    monkeypatch.setattr(choice, "median_ms", lambda run, make_inputs: (run(make_inputs()), (1.0, 0.0))[1])
+    monkeypatch.setattr(routes, "median_ms", lambda run, make_inputs: (run(make_inputs()), (1.0, 0.0))[1])
     compile_started, launch_started = threading.Event(), threading.Event()
     seen = {"compiles": [], "launch_saw_compile": None}
-    compile_math, capture = choice.compile_math, choice.capture_backward_args
+    compile_math, capture = routes.compile_math, routes.capture_backward_args
 
     def slow_compile(math, args, options):
         if not compile_started.is_set():  # the forward's
@@ -419,10 +416,10 @@ def test_route_timing_compiles_inductor_route_beside_first_launches(monkeypatch)
         seen["route_thread"] = threading.get_ident()
         return capture(family, fwd_args, **kwargs)
 
-    monkeypatch.setattr(choice, "compile_math", slow_compile)
-    monkeypatch.setattr(choice, "capture_backward_args", waiting_capture)
+    monkeypatch.setattr(routes, "compile_math", slow_compile)
+    monkeypatch.setattr(routes, "capture_backward_args", waiting_capture)
     args = (torch.empty(6, 48, device="meta"), torch.empty(48, device="meta"), 1e-6, 0.0, "llama")
-    decisions = choice.measure_routes(rms_norm_family, args, BackendOptions(), torch.device("cpu"))
+    decisions = routes.measure_routes(rms_norm_family, args, BackendOptions(), torch.device("cpu"))
     assert [d.op for d in decisions] == ["fastops::rms_norm_fwd", "fastops::rms_norm_bwd"]
     assert seen["launch_saw_compile"] and seen["compile_saw_launch"]
     (fwd_thread, fwd_compile_args), (bwd_thread, _) = seen["compiles"]
@@ -435,8 +432,8 @@ def test_inductor_route_is_traced_without_running_the_math():
     backward's fp32 intermediates took its route timing to 8.3 GiB for 2 GiB of logits (H200)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from inductor_ext.inductor import choice
     from inductor_ext.library.registration import DECOMPOSITIONS
+    from inductor_ext.tuning import routes
 
     math = DECOMPOSITIONS[torch.ops.fastops.cross_entropy_fwd.default]
     seen = []
@@ -447,7 +444,7 @@ def test_inductor_route_is_traced_without_running_the_math():
 
     logits, labels = torch.randn(8, 50), torch.randint(0, 50, (8,))
     args = [logits, labels, -100, 0.0, 0.0, 0.0, "mean"]
-    compiled = choice.compile_math(recording, args, BackendOptions())
+    compiled = routes.compile_math(recording, args, BackendOptions())
     assert seen and all(issubclass(t, FakeTensor) for t in seen)
     torch.testing.assert_close(compiled(args), math(*args))
 
@@ -464,14 +461,14 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
     tuner's peak). Both routes then write the functional op's gradient over the logits, our
     kernels through the functional op's autotuner (which keeps no copy of the logits); the
     direction keeps the functional op's name, under which the decision is stored."""
-    from inductor_ext.inductor import choice
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_inplace_kernel, cross_entropy_bwd_kernel
-    from inductor_ext.library.launch_controls import record_autotuned_launches
     from inductor_ext.ops.cross_entropy import cross_entropy_family
+    from inductor_ext.tuning import routes
+    from inductor_ext.tuning.launch_settings import record_autotuned_launches
 
-    monkeypatch.setattr(choice, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
+    monkeypatch.setattr(routes, "IN_PLACE_TIMING_MIN_BYTES", 0 if large else 10**9)
     with record_autotuned_launches() as launches:
-        fwd, bwd = choice.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
+        fwd, bwd = routes.call_directions(cross_entropy_family, _ce_meta_call(6, 50), torch.device("cpu"))
     launched = [kernel for kernel, _, _ in launches]
     assert (fwd.op, bwd.op) == (cross_entropy_family.fwd, cross_entropy_family.bwd)
     # one backward launch (its first), after the forward: none while its arguments were captured
@@ -485,7 +482,7 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
         if route == "kernel":
             out = bwd.direct(*run_args)
         else:
-            out = choice.compile_math(bwd.math, run_args, BackendOptions())(run_args)
+            out = routes.compile_math(bwd.math, run_args, BackendOptions())(run_args)
         if large:
             torch.testing.assert_close(run_args[1], expected, rtol=1e-5, atol=1e-6)
         else:
@@ -497,14 +494,15 @@ def test_large_cross_entropy_backward_is_timed_in_place(monkeypatch, large):
 def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
     """measure_routes times our kernels on a worker thread and compiles Inductor's route on another;
     both run in a copy of the caller's context. So the standalone tuner's thorough_benchmarks around
-    decide_routes (inductor_ext.autotune.tune) reaches the first launches it times, as do a forced
+    decide_routes (inductor_ext.tuning.cli.tune) reaches the first launches it times, as do a forced
     config and a launch log. The timings and Inductor's compile are stubbed (no GPU); the first
     launches are real."""
     import threading
 
-    from inductor_ext.inductor import choice
     from inductor_ext.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
-    from inductor_ext.library.launch_controls import (
+    from inductor_ext.ops.cross_entropy import cross_entropy_family
+    from inductor_ext.tuning import routes
+    from inductor_ext.tuning.launch_settings import (
         autotuned_launch_log,
         force_launch_config,
         forced_launch_config,
@@ -512,14 +510,13 @@ def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
         record_autotuned_launches,
         thorough_benchmarks,
     )
-    from inductor_ext.ops.cross_entropy import cross_entropy_family
 
     seen = {}
 
     def settings():
         return threading.get_ident(), quick_first_launch_enabled(), forced_launch_config(), autotuned_launch_log()
 
-    call_directions = choice.call_directions
+    call_directions = routes.call_directions
 
     def timing_thread_directions(*args, **kwargs):
         seen["timing"] = settings()
@@ -529,13 +526,13 @@ def test_route_timing_threads_run_with_the_callers_launch_settings(monkeypatch):
         seen.setdefault("inductor", settings())
         return lambda inputs: None
 
-    monkeypatch.setattr(choice, "call_directions", timing_thread_directions)
-    monkeypatch.setattr(choice, "compile_math", compile_math)
-    monkeypatch.setattr(choice, "time_direct", lambda *args: (1.0, 0.0))
-    monkeypatch.setattr(choice, "median_ms", lambda *args: (2.0, 0.0))
+    monkeypatch.setattr(routes, "call_directions", timing_thread_directions)
+    monkeypatch.setattr(routes, "compile_math", compile_math)
+    monkeypatch.setattr(routes, "time_direct", lambda *args: (1.0, 0.0))
+    monkeypatch.setattr(routes, "median_ms", lambda *args: (2.0, 0.0))
     forced = {"NOT_A_PARAMETER": 1}  # forced for no kernel: the launches go on as usual
     with thorough_benchmarks(), force_launch_config(forced), record_autotuned_launches() as launches:
-        decisions = choice.measure_routes(
+        decisions = routes.measure_routes(
             cross_entropy_family, _ce_meta_call(6, 50), BackendOptions(), torch.device("cpu")
         )
     assert [d.route for d in decisions] == ["kernel", "kernel"]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from inductor_ext import add_rms_norm
-from inductor_ext.kernels.norm_config import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.reference import add_rms_norm_ref, rms_norm_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
+from inductor_ext.tuning.search_spaces.norm import search_space
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err
 

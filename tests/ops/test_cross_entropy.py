@@ -14,8 +14,8 @@ from inductor_ext.kernels.cross_entropy import (
     bwd_search_space,
     search_space,
 )
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.cross_entropy import cross_entropy, cross_entropy_family, cross_entropy_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, rel_err
 
@@ -105,7 +105,7 @@ def test_options_match_float64(kw, dtype):
 def test_quick_first_launch_includes_the_full_timing_pick():
     """At V = 128256 (and 32000) a quick first launch's configs include the looped 2048-class chunks
     on 8 warps, the config the H200 picked timing every one."""
-    from inductor_ext.library.launch_controls import QUICK_FIRST_LAUNCH_CONFIGS
+    from inductor_ext.tuning.launch_settings import QUICK_FIRST_LAUNCH_CONFIGS
 
     for v in (32000, 128256):
         quick = search_space(v)[:QUICK_FIRST_LAUNCH_CONFIGS]

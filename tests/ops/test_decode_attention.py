@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from inductor_ext.kernels.decode_attention import KEYS_PER_SPLIT, partial_configs
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.decode_attention import decode_attention, decode_attention_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.tolerances import OUTPUT, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

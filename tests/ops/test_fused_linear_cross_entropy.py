@@ -12,7 +12,6 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.cross_entropy import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.fused_linear_cross_entropy import (
     MATMUL_ROW_ALIGN,
     WEIGHT_GRAD_ACCUMULATIONS,
@@ -22,6 +21,7 @@ from inductor_ext.ops.fused_linear_cross_entropy import (
     resolve_chunk_size,
 )
 from inductor_ext.reference import cross_entropy_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, chunk_rounded_grad, reduced_grad, rel_err
 

@@ -8,7 +8,6 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.glu import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.glu import (
     geglu,
     geglu_packed,
@@ -17,6 +16,7 @@ from inductor_ext.ops.glu import (
     swiglu_packed,
     swiglu_ref,
 )
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, rel_err
 
@@ -217,8 +217,8 @@ def test_overwriting_backward_writes_the_gradients_over_the_inputs(packed):
     """``overwrite_inputs_in_backward``: the eager backward's input gradients are the inputs' own
     buffers, with the values of the ordinary backward, from the first call on: the launch that tunes
     the kernel (on a GPU it times every config, each writing over the inputs) restores them."""
-    from inductor_ext.library.launch import clear_tuned_launch_configs
-    from inductor_ext.library.launch_controls import record_autotuned_launches
+    from inductor_ext.tuning.first_launch import clear_tuned_launch_configs
+    from inductor_ext.tuning.launch_settings import record_autotuned_launches
 
     f = (lambda g: swiglu_packed(g, overwrite_inputs_in_backward=True)) if packed else (
         lambda g, u: swiglu(g, u, overwrite_inputs_in_backward=True))  # fmt: skip

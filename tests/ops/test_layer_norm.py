@@ -10,9 +10,9 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.layer_norm import layer_norm_fwd_kernel
-from inductor_ext.kernels.norm_config import MAX_PERSISTENT_BLOCK, NormConfig, search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.layer_norm import layer_norm, layer_norm_family, layer_norm_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
+from inductor_ext.tuning.search_spaces.norm import MAX_PERSISTENT_BLOCK, NormConfig, search_space
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err, shifted_mean_output
 
@@ -125,8 +125,8 @@ def test_two_pass_backward_every_config_matches_float64(n, rows, monkeypatch):
 def test_two_pass_backward_takes_long_rows(with_weight, with_bias):
     """Rows of TWO_PASS_BACKWARD_MIN_N elements take the two-pass backward (the dx kernel, then the
     dw/db kernel when there is a parameter), with or without weight and bias, in bf16."""
-    from inductor_ext.library.launch_controls import record_autotuned_launches
     from inductor_ext.ops.layer_norm import TWO_PASS_BACKWARD_MIN_N
+    from inductor_ext.tuning.launch_settings import record_autotuned_launches
 
     with record_autotuned_launches() as launches:
         _check_against_float64((3, TWO_PASS_BACKWARD_MIN_N), torch.bfloat16, with_weight, with_bias)

@@ -42,7 +42,7 @@ def test_pruned_autotuner_keeps_restore_value_and_only_the_valid_configs():
     """torch's kernel tracing re-wraps a pruning autotuner without ``restore_value``; ours must keep it.
     Inductor tunes the traced launch at compile time, so it gets a quick first launch's configs (the
     search space's first QUICK_FIRST_LAUNCH_CONFIGS); within thorough_benchmarks, all of them."""
-    from inductor_ext.library.launch_controls import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.tuning.launch_settings import QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
 
     for v in (100, 32000, 262144):
         for thorough in (False, True):
@@ -67,13 +67,14 @@ def test_every_pruning_keeps_its_search_space_order():
     """Each kernel's early_config_prune returns the valid configs heuristic's favourite first (the
     search space's order), whatever the order of the autotuner's full config list: the first is what
     the interpreter launches, the first few what a quick first launch times."""
-    from inductor_ext.kernels import cross_entropy, norm_config, rope
+    from inductor_ext.kernels import cross_entropy, rope
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+    from inductor_ext.tuning.search_spaces import norm
 
     for kernel, forward in ((rms_norm_fwd_kernel, True), (rms_norm_bwd_kernel, False)):
         for n in (100, 3000, 4096, 16384, 65536):
             pruned = kernel.early_config_prune(kernel.configs[::-1], {"N": n})
-            assert list(map(norm_config.NormConfig.from_triton, pruned)) == norm_config.search_space(n, forward)
+            assert list(map(norm.NormConfig.from_triton, pruned)) == norm.search_space(n, forward)
     for v in (100, 32000, 262144):
         pruned = cross_entropy._prune(cross_entropy.cross_entropy_fwd_kernel.configs[::-1], {"V": v})
         assert list(map(CrossEntropyConfig.from_triton, pruned)) == search_space(v)
@@ -90,10 +91,10 @@ def test_a_first_launch_tunes_on_an_autotuner_of_its_own(thorough):
     QUICK_FIRST_LAUNCH_CONFIGS configs, timed for AUTOTUNE_BENCH_MS; within thorough_benchmarks every
     config, with Triton's default timing. It is built for the launch: the kernel's own autotuner, which
     another thread may be running and which Inductor reads, keeps its configs and benchmark settings."""
-    from inductor_ext.kernels.norm_config import search_space as norm_search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.library.launch import candidate_configs, first_launch_autotuner
-    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.tuning.first_launch import candidate_configs, first_launch_autotuner
+    from inductor_ext.tuning.launch_settings import AUTOTUNE_BENCH_MS, QUICK_FIRST_LAUNCH_CONFIGS, thorough_benchmarks
+    from inductor_ext.tuning.search_spaces.norm import search_space as norm_search_space
 
     args, kwargs = _rms_norm_bwd_args(4096), {"HAS_DRES": False, "HAS_WEIGHT": True, "GEMMA_CASTING": False}
     everything = rms_norm_bwd_kernel.configs
@@ -121,7 +122,7 @@ def test_a_first_launch_tunes_on_an_autotuner_of_its_own(thorough):
 @pytest.fixture
 def no_tuned_launches():
     """The eager picks' registry empty for the test, and emptied after it."""
-    from inductor_ext.library.launch import clear_tuned_launch_configs
+    from inductor_ext.tuning.first_launch import clear_tuned_launch_configs
 
     clear_tuned_launch_configs()
     yield
@@ -133,16 +134,16 @@ def test_a_first_launch_times_once_and_records_its_pick(monkeypatch, no_tuned_la
     ``do_bench`` (which the quick budget wraps) rates the second quick config fastest. The first launch
     times the quick configs once each and records that pick, which later launches use without timing;
     the kernel's own autotuner is left as it was, and the registry is read through copies."""
-    from inductor_ext.library import launch as launch_module
-    from inductor_ext.library.launch import (
-        DirectLaunch,
+    from inductor_ext.library.launch import DirectLaunch
+    from inductor_ext.ops.rms_norm import rms_norm_fwd_kernels, rms_norm_ref
+    from inductor_ext.tuning import first_launch
+    from inductor_ext.tuning.first_launch import (
         candidate_configs,
         launch_key,
         tuned_launch_config,
         tuned_launch_configs,
     )
-    from inductor_ext.library.launch_controls import AUTOTUNE_BENCH_MS, quick_configs, record_autotuned_launches
-    from inductor_ext.ops.rms_norm import rms_norm_fwd_kernels, rms_norm_ref
+    from inductor_ext.tuning.launch_settings import AUTOTUNE_BENCH_MS, quick_configs, record_autotuned_launches
 
     timed = []
 
@@ -155,7 +156,7 @@ def test_a_first_launch_times_once_and_records_its_pick(monkeypatch, no_tuned_la
     compiled = []
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     # (compiling ahead of the timing is Triton's warm-up, which needs a GPU)
-    monkeypatch.setattr(launch_module, "precompile_configs", lambda kernel, grid, args, kwargs: compiled.append(kernel))
+    monkeypatch.setattr(first_launch, "precompile_configs", lambda kernel, grid, args, kwargs: compiled.append(kernel))
     x, w = torch.randn(6, 300), torch.randn(300)
     launch = DirectLaunch(interpreter=False)
     with record_autotuned_launches() as launches:
@@ -196,9 +197,9 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
     import triton
     from triton.runtime._async_compile import active_mode
 
-    from inductor_ext.kernels.norm_config import search_space
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel
-    from inductor_ext.library.launch import precompile_configs
+    from inductor_ext.tuning.first_launch import precompile_configs
+    from inductor_ext.tuning.search_spaces.norm import search_space
 
     n, compiled = 3000, []
 
@@ -221,7 +222,7 @@ def test_precompile_configs_warms_up_each_pruned_config_once_in_async_compile_mo
 
 
 def test_thorough_benchmarks_turn_the_quick_first_launch_off_only_within():
-    from inductor_ext.library.launch_controls import quick_first_launch_enabled, thorough_benchmarks
+    from inductor_ext.tuning.launch_settings import quick_first_launch_enabled, thorough_benchmarks
 
     assert quick_first_launch_enabled()
     with pytest.raises(RuntimeError, match="inside"), thorough_benchmarks():
@@ -236,7 +237,7 @@ def test_launch_settings_hold_in_their_own_thread_only():
     import concurrent.futures
     import contextvars
 
-    from inductor_ext.library.launch_controls import (
+    from inductor_ext.tuning.launch_settings import (
         autotuned_launch_log,
         force_launch_config,
         forced_launch_config,

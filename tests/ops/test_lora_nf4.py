@@ -435,10 +435,10 @@ def test_inductor_route_compiles_the_math_over_4bit_constants():
     """Route timing compiles the op's aten math with every tensor a graph input, the 4-bit base's
     constants inside their Tensor[] too (a real tensor left in the list fails fake tracing), and keys
     the decision by the constants' shapes."""
-    from inductor_ext.inductor.choice import compile_math
     from inductor_ext.inductor.options import BackendOptions
     from inductor_ext.library.registration import DECOMPOSITIONS
     from inductor_ext.tuning.inputs import random_inputs
+    from inductor_ext.tuning.routes import compile_math
     from inductor_ext.tuning.timing import meta_templates, signature
 
     op = torch.ops.fastops.lora_linear_fwd.default

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import inductor_ext
-from inductor_ext.kernels.norm_config import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.rms_norm import rms_norm, rms_norm_ref
+from inductor_ext.tuning.launch_settings import force_launch_config
+from inductor_ext.tuning.search_spaces.norm import search_space
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, reduced_grad, rel_err
 
@@ -197,9 +197,9 @@ def test_nn_module_loads_torch_and_hf_state_dicts():
 @pytest.mark.parametrize("n", [123, 4096, 16384, 70000])
 def test_autotuner_sees_the_whole_search_space(n):
     """The autotuners' config lists, pruned for N, are exactly the forward/backward search spaces."""
-    from inductor_ext.kernels import norm_config
     from inductor_ext.kernels.rms_norm import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+    from inductor_ext.tuning.search_spaces import norm
 
     for kernel, forward in ((rms_norm_fwd_kernel, True), (rms_norm_bwd_kernel, False)):
-        pruned = [norm_config.NormConfig.from_triton(c) for c in kernel.early_config_prune(kernel.configs, {"N": n})]
+        pruned = [norm.NormConfig.from_triton(c) for c in kernel.early_config_prune(kernel.configs, {"N": n})]
         assert sorted(map(str, pruned)) == sorted(map(str, search_space(n, forward)))

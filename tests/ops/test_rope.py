@@ -9,13 +9,13 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_ext
 from inductor_ext.kernels.rope import search_space
-from inductor_ext.library.launch_controls import force_launch_config
 from inductor_ext.ops.rope import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_,
     apply_rotary_pos_emb_ref,
     rope_family,
 )
+from inductor_ext.tuning.launch_settings import force_launch_config
 from tests.conftest import DEVICE
 from tests.tolerances import OUTPUT, rel_err
 

@@ -82,10 +82,10 @@ def make_step(
 
 def tune_from_config(args: argparse.Namespace) -> float:
     """Fill the tuning database with the standalone tuner from the model's config and the batch shape (no
-    model is built or run, as ``python -m inductor_ext.autotune tune --hf-config``); its seconds."""
-    from inductor_ext.autotune.trace import calls_from_hf_config
-    from inductor_ext.autotune.tune import tune_into_database
+    model is built or run, as ``python -m inductor_ext.tuning tune --hf-config``); its seconds."""
     from inductor_ext.inductor.options import parse_options
+    from inductor_ext.tuning.cli.trace import calls_from_hf_config
+    from inductor_ext.tuning.cli.tune import tune_into_database
     from inductor_ext.tuning.database import TuningDatabase
 
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 On a GPU each call's forward and backward are timed on both routes (our kernels,
 autotuned over their persistent and looped configs, against Inductor's code for the
-op's math) by :func:`inductor_ext.inductor.choice.decide_routes`, the function the
+op's math) by :func:`inductor_ext.tuning.routes.decide_routes`, the function the
 ``fastops_inductor`` backend decides through; so the decisions land under the keys the
 backend reads, and a later compile of these shapes times nothing. Calls already in
 the database are not timed again.
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from inductor_ext.autotune.calls import OpCall
-from inductor_ext.autotune.report import progress
-from inductor_ext.inductor.choice import RouteDecision, decide_routes, route_key
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.library.launch_controls import thorough_benchmarks
+from inductor_ext.tuning.cli.calls import OpCall
+from inductor_ext.tuning.cli.report import progress
 from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.launch_settings import thorough_benchmarks
+from inductor_ext.tuning.routes import RouteDecision, decide_routes, route_key
 
 UNTUNED = {"status": "untuned"}
 

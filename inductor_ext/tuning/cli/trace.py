@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from inductor_ext.autotune.calls import OpCall, dedup, meta_call, parse_dtype
-from inductor_ext.inductor.choice import fastops_calls
 from inductor_ext.inductor.rewrites import apply_rewrites
+from inductor_ext.tuning.cli.calls import OpCall, dedup, meta_call, parse_dtype
+from inductor_ext.tuning.routes import fastops_calls
 
 
 def trace_calls(

@@ -1,4 +1,4 @@
-"""What the autotuner prints: a progress bar while tuning, and tables of decisions.
+"""What the standalone tuner prints: a progress bar while tuning, and tables of decisions.
 
 tqdm draws the bar and tabulate the tables when they are installed (the ``tune``
 extra); otherwise plain lines and aligned plain-text columns.
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from inductor_ext.inductor.choice import RouteDecision
+from inductor_ext.tuning.routes import RouteDecision
 
 COLUMNS = ("op", "signature", "device", "kernel ms", "inductor ms", "choice", "speedup", "source")
 """``kernel ms``/``inductor ms``: median, ± half the interdecile spread when measured. ``speedup``:

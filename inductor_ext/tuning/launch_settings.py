@@ -1,12 +1,13 @@
-"""Tuning-time controls of eager kernel launches: how a first launch tunes, a forced config, a launch log.
+"""Tuning-time settings of eager kernel launches: how a first launch tunes, a forced config, a launch log.
 
 Each setting is a :class:`contextvars.ContextVar` set by a context manager here, so it holds for the
 code inside the block, in this thread (and in asyncio tasks it starts), and for nothing running
 elsewhere at the same time. Work handed to another thread sees a setting only when it runs in a
 copy of the caller's context (``contextvars.copy_context().run``): route timing
-(:func:`inductor_ext.inductor.choice.measure_routes`) does so for its worker threads.
+(:func:`inductor_ext.tuning.routes.measure_routes`) does so for its worker threads.
 
-Read by the launches (:mod:`inductor_ext.library.launch`); imports nothing of the package.
+Read by the launches (:mod:`inductor_ext.library.launch`) and by first-launch tuning
+(:mod:`inductor_ext.tuning.first_launch`); imports nothing of the package.
 """
 
 import contextlib
@@ -23,12 +24,12 @@ LaunchRecord = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 QUICK_FIRST_LAUNCH_CONFIGS = 4
 """Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
-space, heuristic's favourite first (:mod:`inductor_ext.kernels.ranking`). Compiling and timing
+space, heuristic's favourite first (:mod:`inductor_ext.tuning.search_spaces.order`). Compiling and timing
 every config was most of a cold ``fastops_inductor`` compile (H200, 4-layer decoder: 96 configs,
 13.9 s of first launches in a 31.5 s compile). In a re-timing of every config on the H200
 at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
 (2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
-The standalone tuner (``python -m inductor_ext.autotune``) still times every config."""
+The standalone tuner (``python -m inductor_ext.tuning``) still times every config."""
 
 
 def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
@@ -60,9 +61,6 @@ _forced_config: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Cont
 )
 _launch_log: contextvars.ContextVar[list[LaunchRecord] | None] = contextvars.ContextVar(
     "fastops_autotuned_launch_log", default=None
-)
-_dry_run_log: contextvars.ContextVar[list[LaunchRecord] | None] = contextvars.ContextVar(
-    "fastops_dry_run_log", default=None
 )
 
 
@@ -116,19 +114,4 @@ def record_autotuned_launches() -> Iterator[list[LaunchRecord]]:
     """The eager launches of autotuned kernels made inside the block: (kernel, args, kwargs) each."""
     launches: list[LaunchRecord] = []
     with _setting(_launch_log, launches):
-        yield launches
-
-
-def dry_run_log() -> list[LaunchRecord] | None:
-    """The list the innermost :func:`dry_run_launches` around this call fills, or None."""
-    return _dry_run_log.get()
-
-
-@contextlib.contextmanager
-def dry_run_launches() -> Iterator[list[LaunchRecord]]:
-    """Within: eager launches of every kernel, autotuned or not, are recorded as (kernel, args, kwargs)
-    and not run. For looking at what the ops would launch without a GPU (on fake CUDA tensors:
-    ``python -m inductor_ext.bench compile_cost``)."""
-    launches: list[LaunchRecord] = []
-    with _setting(_dry_run_log, launches):
         yield launches

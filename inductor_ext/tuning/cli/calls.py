@@ -1,4 +1,4 @@
-"""The op calls the autotuner tunes, and the call-file format that lists them by hand.
+"""The op calls the standalone tuner tunes, and the call-file format that lists them by hand.
 
 A call file (JSON, or YAML when PyYAML is installed) is a list of forward op calls;
 each backward is tuned with its forward::

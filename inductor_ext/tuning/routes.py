@@ -1,14 +1,14 @@
-"""Kernel or Inductor: the route of every fastops op call in a graph, decided at compile time.
+"""Kernel or Inductor: the route of a fastops op call, decided by timing both on random inputs.
 
-For each forward op call the backend finds in a Dynamo graph, :class:`RoutePlanner`
-decides the forward's route and its backward's. Under ``"auto"`` on a GPU it builds
-random inputs from the call's shapes (no model is run), times our kernels (eager
-direct launches, autotuned) against Inductor's code compiled from the op's aten
-math (with the backend's multi-kernel setting), and keeps the faster; decisions are
-stored in the tuning database, so a later compile of the same shapes measures
-nothing. On CPU ``"auto"`` is the Inductor route. While the graph is compiled,
-:meth:`RoutePlanner.traces_math` answers each op body (see
-:func:`inductor_ext.library.registration.route_ops`).
+For a forward op call (its family and its arguments' shapes and dtypes), :func:`decide_routes` decides
+the forward's route and its backward's on a GPU: it builds random inputs from the shapes
+(:mod:`inductor_ext.tuning.inputs`; no model is run), times our kernels (eager direct launches, their
+configs tuned by :mod:`inductor_ext.tuning.first_launch`) against Inductor's code compiled from the op's
+aten math (with the backend's multi-kernel setting), keeps the faster, and stores the decisions and the
+kernel configs the timing picked in the tuning database (:mod:`inductor_ext.tuning.database`), so a later
+compile of the same shapes measures nothing. The ``fastops_inductor`` backend
+(:class:`inductor_ext.inductor.route_planner.RoutePlanner`) and the standalone tuner
+(:mod:`inductor_ext.tuning.cli`) both decide through here.
 """
 
 import concurrent.futures
@@ -23,22 +23,21 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.utils import counters, dynamo_timed
+from torch._dynamo.utils import dynamo_timed
 from torch._ops import OpOverload
 
 from inductor_ext import _compat
 from inductor_ext.inductor.options import BackendOptions
-from inductor_ext.library.launch import tuned_launch_configs
 from inductor_ext.library.registration import (
     DECOMPOSITIONS,
     FAMILIES,
-    FAMILY_OF,
     IN_PLACE_TIMING,
     IN_PLACE_TIMING_MIN_BYTES,
     OpFamily,
 )
 from inductor_ext.tuning.agreement import agreed
 from inductor_ext.tuning.database import TuningDatabase
+from inductor_ext.tuning.first_launch import tuned_launch_configs
 from inductor_ext.tuning.inputs import random_inputs
 from inductor_ext.tuning.kernel_configs import records as kernel_records
 from inductor_ext.tuning.timing import median_ms, meta_templates, signature
@@ -86,58 +85,6 @@ def fastops_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[OpFamily, tuple[An
             yield FAMILIES[node.target], tuple(args)
 
 
-class RoutePlanner:
-    def __init__(self, options: BackendOptions, database: TuningDatabase | None = None) -> None:
-        self.options = options
-        self.database = database
-        self.decisions: dict[tuple[str, str], RouteDecision] = {}
-
-    def plan_graph(self, gm: torch.fx.GraphModule) -> None:
-        for family, args in fastops_calls(gm):
-            self.plan_call(family, args)
-
-    def plan_call(self, family: OpFamily, args: Sequence[Any]) -> None:
-        route = self.options.route_for(family.name)
-        if route != "auto":
-            return  # fixed routes need no per-call decision
-        fwd_name, sig = family.fwd._name, signature(args)
-        if (fwd_name, sig) in self.decisions:
-            return
-        if args[0].device.type != "cuda":
-            self._record(RouteDecision(fwd_name, sig, "inductor", "cpu"))
-            return
-        try:
-            decisions = decide_routes(family, args, self.options, self.database, args[0].device)
-        except torch.OutOfMemoryError:
-            # the timing's random inputs did not fit beside what the process already holds
-            torch.cuda.empty_cache()
-            log.warning("fastops_inductor: out of GPU memory while timing the routes of %s%s; using our kernels "
-                        "untimed (tune it beforehand with python -m inductor_ext.autotune)", fwd_name, sig)  # fmt: skip
-            decisions = [RouteDecision(fwd_name, sig, "kernel", "untimed: out of GPU memory")]
-        for decision in decisions:
-            self._record(decision)
-
-    def traces_math(self, qualname: str, args: Sequence[Any]) -> bool:
-        """Asked by each fastops op body while the graph is traced: True for the Inductor route."""
-        route = self.options.route_for(FAMILY_OF[qualname])
-        if args[0].device.type != "cuda":
-            route = "inductor"  # the only route off the GPU
-        elif route == "auto":
-            decision = self.decisions.get((qualname, signature(args)))
-            if decision is None:
-                log.warning("fastops_inductor: no route decision for %s%s; using the kernel", qualname, signature(args))
-                route = "kernel"
-            else:
-                route = decision.route
-        counters["inductor_ext"][f"{qualname}->{route}"] += 1
-        return route == "inductor"
-
-    def _record(self, decision: RouteDecision) -> None:
-        self.decisions[(decision.op, decision.signature)] = decision
-        log.info("fastops_inductor: %s%s -> %s (%s; kernel %s ms, inductor %s ms)", decision.op,
-                 decision.signature, decision.route, decision.reason, decision.kernel_ms, decision.inductor_ms)  # fmt: skip
-
-
 def decide_routes(
     family: OpFamily,
     args: Sequence[Any],
@@ -149,8 +96,7 @@ def decide_routes(
     ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
     timed), else measured and stored there, with the launch config the timing picked for each
     of our kernels (:mod:`inductor_ext.tuning.kernel_configs`: traced launches then offer
-    Inductor that config alone). The backend and the standalone autotuner
-    (``python -m inductor_ext.autotune``) both decide through here. A family without kernels of
+    Inductor that config alone). A family without kernels of
     its own has no decisions (its ops always trace their math).
 
     Under ``torch.distributed`` every rank takes the same decisions: the first rank to need them
@@ -208,7 +154,7 @@ def measure_routes(
     fake-tensor and dispatch modes, all thread-local), and the timing needs real tensors
     and an independent Inductor compile of the math. The worker, and the thread of that
     compile, run in a copy of the caller's context (``contextvars``): the launch settings of
-    :mod:`inductor_ext.library.launch_controls` around the call (the standalone tuner's
+    :mod:`inductor_ext.tuning.launch_settings` around the call (the standalone tuner's
     ``thorough_benchmarks``, a forced config, a launch log) hold there, as do torch's config
     values (context variables in torch 2.13).
     """

@@ -1,9 +1,6 @@
-"""Launch configs shared by row-normalisation kernels (one reduction over the last dim per row).
-
-The generic form of the config code in :mod:`inductor_ext.kernels.rms_norm`
-(same search space, same ranking, same grid), for kernels that take the
-constexprs ``PERSISTENT``, ``BLOCK_M``, ``BLOCK_N`` and ``PREFETCH`` and a row
-length argument ``N``:
+"""The search space of the row-normalisation kernels (one reduction over the last dim per row:
+:mod:`inductor_ext.kernels.rms_norm`, :mod:`inductor_ext.kernels.layer_norm`), for kernels that take the
+constexprs ``PERSISTENT``, ``BLOCK_M``, ``BLOCK_N`` and ``PREFETCH`` and a row length argument ``N``:
 
 * persistent: the whole row (``BLOCK_N = next_pow2(N)``) in registers,
   ``BLOCK_M`` rows per step; x is read once.
@@ -23,7 +20,7 @@ import functools
 
 import triton
 
-from inductor_ext.kernels.ranking import in_search_order
+from inductor_ext.tuning.search_spaces.order import in_search_order
 
 MAX_PERSISTENT_BLOCK = 32768
 """Largest power-of-two row held in registers (fp32, 32 warps: 32 values per thread and operand)."""

@@ -5,7 +5,7 @@ heuristic's favourite first; its ``early_config_prune`` returns the autotuner's 
 that are in it **in that order** (:func:`in_search_order`), not in the order of the
 autotuner's full config list. So the first pruned config is the heuristic's pick (what
 a launch under the interpreter runs), and a quick first launch times the first few
-(:data:`inductor_ext.library.launch_controls.QUICK_FIRST_LAUNCH_CONFIGS`).
+(:data:`inductor_ext.tuning.launch_settings.QUICK_FIRST_LAUNCH_CONFIGS`).
 """
 
 from collections.abc import Callable, Hashable, Sequence
