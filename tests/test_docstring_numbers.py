@@ -12,8 +12,6 @@ import re
 import tokenize
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "inductor_ext"
 
@@ -22,22 +20,6 @@ WORDS = re.compile(r"\b(?:[Hh]100|[Hh]200|[Mm]easured)\b|\bms\b")
 SOURCE = re.compile(r"docs/benchmarks/[\w.-]+\.json")
 MOST = 15
 """At most this many occurrences in the whole package, each beside its source."""
-
-NOT_YET_REWRITTEN = (
-    "inductor_ext/tuning/",
-    "inductor_ext/autotune/",
-    "inductor_ext/library/launch.py",
-    "inductor_ext/library/launch_controls.py",
-    "inductor_ext/inductor/choice.py",
-    "inductor_ext/runtime/generation/",
-    "inductor_ext/bench/generate.py",
-    "inductor_ext/ops/document_attention.py",
-)
-"""Files and folders whose docstrings and comments still name devices and timings without their benchmark
-file: the package-wide test is an expected failure until they are rewritten (then it passes, and the
-strict ``xfail`` fails to say so)."""
-EXEMPT = (*NOT_YET_REWRITTEN, "inductor_ext/kernels/ranking.py", "inductor_ext/kernels/norm_config.py")
-"""What the per-file check skips: the files above and two more being edited alongside them."""
 
 
 def text_blocks(source: str) -> list[tuple[int, str]]:
@@ -115,11 +97,6 @@ def test_the_scan_finds_docstrings_and_comment_blocks() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docstrings and comments of " + ", ".join(NOT_YET_REWRITTEN) + " still name devices and timings "
-    "without their benchmark file",
-)
 def test_device_and_timing_words_are_few_and_cite_their_benchmark() -> None:
     found = package_occurrences()
     uncited = [entry for entry in found if not entry[3]]
@@ -127,9 +104,3 @@ def test_device_and_timing_words_are_few_and_cite_their_benchmark() -> None:
         f"{len(found)} device or timing words in docstrings and comments (at most {MOST}); state the contract "
         "instead, or name the docs/benchmarks/*.json that a default's number comes from:\n" + _report(found)
     )
-
-
-def test_outside_the_files_not_yet_rewritten_every_occurrence_cites_its_benchmark() -> None:
-    found = [entry for entry in package_occurrences() if not entry[0].startswith(EXEMPT)]
-    uncited = [entry for entry in found if not entry[3]]
-    assert not uncited, _report(uncited)

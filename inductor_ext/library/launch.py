@@ -79,7 +79,7 @@ def pruned_autotuner(kernel: Any, args: Sequence[Any], kwargs: dict[str, Any], s
     torch 2.11 to 2.13) applies the pruning itself and re-wraps the kernel as
     ``autotune(configs=pruned, key=[])``, dropping ``restore_value``. Inductor then
     benchmarks an in-place kernel on the real buffers without restoring them, and the
-    launch after tuning reads its own output: seen on the H200 as a cross-entropy loss
+    launch after tuning reads its own output: seen on CUDA as a cross-entropy loss
     of exactly ``log(V)`` (the logits had become the gradient) and RoPE rotated several
     times. An autotuner with nothing left to prune passes through that code unchanged.
     """

@@ -1,11 +1,11 @@
-"""The tuning database: one JSON file of measured choices, safe to share between processes.
+"""The tuning database: one JSON file of timed choices, safe to share between processes.
 
 Location: ``$INDUCTOR_EXT_CACHE_DIR/tuning.json``; without the variable,
 ``$XDG_CACHE_HOME/inductor_ext/tuning.json`` (``~/.cache/inductor_ext`` when that is unset too).
 
 Format: ``{"entries": {key: {"versions": {...}, "record": {...}}}}``. Each entry is keyed
-by what it was measured for (op, argument signature, device: see
-:func:`inductor_ext.tuning.routes.route_key`) and stores the versions it was measured
+by what it was timed for (op, argument signature, device: see
+:func:`inductor_ext.tuning.routes.route_key`) and stores the versions it was timed
 with; an entry whose versions differ from the running ones (:func:`current_versions`) is
 ignored, and dropped on the next write.
 

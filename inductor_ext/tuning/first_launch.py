@@ -114,13 +114,12 @@ def precompile_configs(kernel: Autotuner, grid: Grid, args: Sequence[Any], kwarg
     """Compile every config ``kernel``'s autotuner will time for this launch, in parallel; its
     timing then finds them compiled.
 
-    Triton's autotuner compiles them one by one as it times them: the 18 RMSNorm backward configs
-    take 7.6 s on one thread, 4.3 s on two (Triton's compiler releases the GIL in part; measured
-    compiling for sm_90 on a 2-core CPU host). With the timing itself (:func:`first_launch_autotuner`),
-    this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
+    Triton's autotuner compiles them one by one as it times them; Triton's compiler releases the GIL
+    in part, so compiling them on worker threads overlaps most of that. With the timing itself
+    (:func:`first_launch_autotuner`), this is what a cold route timing (``fastops_inductor``'s ``"auto"``) and the autotuner CLI wait for.
     Through Triton's own ``AsyncCompileMode``: each warm-up binds its arguments here and hands
     only the compile to a worker thread; leaving the mode installs the kernels in the cache.
-    Inductor's compile-worker processes were tried instead (on the H200): slower, since each
+    Inductor's compile-worker processes would be slower here, since each
     worker imports the package on its first job (RMSNorm's 28 configs: 17.8 s against 6.5 s on
     threads in a fresh process; 6.5 s against 5.8 s with the pool already up).
     """

@@ -1,5 +1,5 @@
 """Our kernels' launch configs in the tuning database: chosen by timing real launches (the eager
-autotuner, while a route is measured), read back when a graph is traced, so that Inductor's
+autotuner, while a route is timed), read back when a graph is traced, so that Inductor's
 generated code (Python or ``cpp_wrapper``/AOTInductor C++) launches the chosen config and tunes nothing.
 
 Record: ``config|<kernel>|<autotune key values>|<tensor dtypes>|<device name>`` →

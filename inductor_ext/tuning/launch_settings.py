@@ -25,11 +25,9 @@ LaunchRecord = tuple[Any, tuple[Any, ...], dict[str, Any]]
 QUICK_FIRST_LAUNCH_CONFIGS = 4
 """Configs a quick first launch times: the first of its pruned configs, i.e. of its kernel's search
 space, heuristic's favourite first (:mod:`inductor_ext.tuning.search_spaces.order`). Compiling and timing
-every config was most of a cold ``fastops_inductor`` compile (H200, 4-layer decoder: 96 configs,
-13.9 s of first launches in a 31.5 s compile). In a re-timing of every config on the H200
-at Llama-3-8B shapes (10 kernels), the fastest config lay past the fourth for RMSNorm's forward
-(2.4% faster than the pick) and GLU (0.1-0.3%); RoPE's winners are first since its ranking changed.
-The standalone tuner (``python -m inductor_ext.tuning``) still times every config."""
+every config was most of a cold ``fastops_inductor`` compile, and the search spaces are ordered so that
+the best config is nearly always among the first few. The standalone tuner (``python -m inductor_ext.tuning``)
+still times every config."""
 
 
 def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
@@ -39,11 +37,11 @@ def quick_configs(configs: list[triton.Config]) -> list[triton.Config]:
 
 
 AUTOTUNE_BENCH_MS = (5, 25)
-"""Warm-up and measured milliseconds per config when a first launch autotunes (Triton's defaults:
+"""Warm-up and timed milliseconds per config when a first launch autotunes (Triton's defaults:
 25 and 100). Triton's ``do_bench`` runs a config for that long whatever its speed, flushing L2
-before every run: at the defaults, about 0.14 s per config, which made up most of a cold route
-timing's "first launches" on the H200 (≈ 0.2 s per config all told, 68 configs in a decoder).
-25 ms still gives ≥ 25 runs of a 1 ms kernel and hundreds of a 20 µs one for the median."""
+before every run, so at the defaults the runs themselves make up most of a cold route timing.
+A 25-millisecond budget still gives at least 25 runs of a 1-millisecond kernel, and hundreds of a
+20 µs one, for the median."""
 
 
 def quick_do_bench() -> Callable[..., Any]:
@@ -83,10 +81,10 @@ def quick_first_launch_enabled() -> bool:
 
 @contextlib.contextmanager
 def thorough_benchmarks() -> Iterator[None]:
-    """Within: first launches time every config for Triton's full 25 + 100 ms, not the first
+    """Within: first launches time every config for Triton's full budget (25 + 100 milliseconds), not the first
     :data:`QUICK_FIRST_LAUNCH_CONFIGS` for :data:`AUTOTUNE_BENCH_MS`: the standalone tuner's
-    setting, where a pick matters more than the seconds (H200, Llama-3-8B shapes: the
-    worst pick was 4.2% off the best re-timed config with the short budget, 2.4% with the full one)."""
+    setting, where a pick matters more than the seconds (a short budget's noise can pick a config a
+    few percent off the best)."""
     with _setting(_thorough, True):
         yield
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 ROUTE_TIMER = "fastops.route_timing"
-"""The compile timer (``torch._dynamo.utils.compilation_time_metrics``) of the routes measured: our kernels
+"""The compile timer (``torch._dynamo.utils.compilation_time_metrics``) of the routes timed: our kernels
 (their launch configs tuned) against Inductor's code, per call not in the tuning database."""
 
 
@@ -57,7 +57,7 @@ class RouteDecision:
     route: str
     """``"kernel"`` or ``"inductor"``."""
     reason: str
-    """``"cpu"``, ``"measured"``, ``"database"`` or ``"rank N"`` (another rank decided it:
+    """``"cpu"``, ``"timed"``, ``"database"`` or ``"rank N"`` (another rank decided it:
     :func:`inductor_ext.tuning.agreement.agreed`)."""
     kernel_ms: float | None = None
     inductor_ms: float | None = None
@@ -94,7 +94,7 @@ def decide_routes(
 ) -> list[RouteDecision]:
     """The route decisions of a forward call and its backward on ``device`` (a GPU): read from
     ``database`` under :func:`route_key` when it holds them (reason ``"database"``: nothing is
-    timed), else measured and stored there, with the launch config the timing picked for each
+    timed), else timed and stored there, with the launch config the timing picked for each
     of our kernels (:mod:`inductor_ext.tuning.kernel_configs`: traced launches then offer
     Inductor that config alone). A family without kernels of
     its own has no decisions (its ops always trace their math).
@@ -124,8 +124,8 @@ def _decide_here(
     database: TuningDatabase | None,
     device: torch.device,
 ) -> dict[str, Any]:
-    """This process's decisions for ``key`` (from ``database``, or measured and stored there) and
-    the kernel configs a measurement picked, as JSON for the other ranks
+    """This process's decisions for ``key`` (from ``database``, or timed and stored there) and
+    the kernel configs a timing picked, as JSON for the other ranks
     (:func:`inductor_ext.tuning.agreement.agreed`)."""
     stored = database.get(key) if database is not None else None
     if stored is not None:
@@ -193,7 +193,7 @@ def _measure_routes(
             )
         route = "kernel" if kernel_ms <= inductor_ms else "inductor"
         decisions.append(RouteDecision(
-            op._name, signature(templates), route, "measured", kernel_ms, inductor_ms, kernel_spread, inductor_spread
+            op._name, signature(templates), route, "timed", kernel_ms, inductor_ms, kernel_spread, inductor_spread
         ))  # fmt: skip
     log.info("route timing of %s, seconds: %s", family.name, ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     return decisions
@@ -329,7 +329,7 @@ def compile_math(
 
     tensors = [leaves[i] for i in positions]
     # traced on fake tensors: real ones would run the math, whose fp32 intermediates (softmax,
-    # one-hot, ...) took a cross-entropy backward's tuning to 4.25x its logits (8.3 GiB, H200)
+    # one-hot, ...) took a cross-entropy backward's tuning to several times its logits' memory
     gm = make_fx(with_tensors, tracing_mode="fake")(*tensors)
     # the wrapper language does not change the kernels being timed
     patches = {**options.inductor_patches(), "cpp_wrapper": False, "triton.autotune_at_compile_time": False}

@@ -74,7 +74,7 @@ def capture_graph(calls: Sequence[Callable[[], Any]]) -> torch.cuda.CUDAGraph:
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """GPU ms of one replay of ``graph``, between two events."""
+    """GPU milliseconds of one replay of ``graph``, between two events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -84,7 +84,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
 
 
 def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[float]:
-    """GPU ms per call of each of ``replays`` replays of one CUDA graph holding ``calls`` in order.
+    """GPU milliseconds per call of each of ``replays`` replays of one CUDA graph holding ``calls`` in order.
 
     The time is the kernels' alone, as inside a compiled graph, never the host's (a Python
     launch path slower than its kernels would otherwise be timed instead of them).
@@ -94,7 +94,7 @@ def graph_replay_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> li
 
 
 def stream_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[float]:
-    """GPU ms per call of ``replays`` sweeps of ``calls`` issued back to back between two events
+    """GPU milliseconds per call of ``replays`` sweeps of ``calls`` issued back to back between two events
     (host time included whenever the host is slower than the kernels)."""
     for call in calls:
         call()
@@ -111,7 +111,7 @@ def stream_ms(calls: Sequence[Callable[[], Any]], replays: int = 30) -> list[flo
 
 
 def median_ms(run: Callable[[Sequence[Any]], Any], make_inputs: Callable[[], Sequence[Any]]) -> tuple[float, float]:
-    """(median, interdecile spread) ms of ``run(inputs)`` on the current GPU, kernels only.
+    """(median, interdecile spread) milliseconds of ``run(inputs)`` on the current GPU, kernels only.
 
     The inputs are rotated among enough copies that one sweep exceeds twice the L2
     cache, so every call reads from DRAM as it would inside a model; one CUDA graph holds

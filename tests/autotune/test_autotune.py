@@ -301,7 +301,7 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
 
     def fake_measure(family, args, options, device):
         measured.append(family.name)
-        return [routes.RouteDecision(op._name, signature(args), "kernel", "measured", 1.0, 2.5, 0.02, 0.1)
+        return [routes.RouteDecision(op._name, signature(args), "kernel", "timed", 1.0, 2.5, 0.02, 0.1)
                 for op in (family.fwd, family.bwd)]  # fmt: skip
 
     monkeypatch.setattr(routes, "measure_routes", fake_measure)
@@ -312,7 +312,7 @@ def test_tune_on_a_gpu_writes_what_the_backend_reads(monkeypatch, tmp_path, caps
     assert main(["tune", "--calls", str(path), "--device", "cuda"]) == 0
     assert measured == ["rms_norm"]
     table = capsys.readouterr().out
-    assert "rms_norm_bwd" in table and "2.50x" in table and "measured" in table
+    assert "rms_norm_bwd" in table and "2.50x" in table and "timed" in table
     assert "1.0000 ±0.0100" in table and "2.5000 ±0.0500" in table  # medians with the spread recorded
     call = load_calls(path)[0]
     assert list(_entries()) == [routes.route_key("fastops::rms_norm_fwd", call.signature, "Fake GPU")]
@@ -571,7 +571,7 @@ def test_tuning_skips_a_call_that_runs_out_of_gpu_memory(monkeypatch, tmp_path, 
     def decide(family, args, options, database, device):
         if args[0].shape[0] > 1000:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
-        return [RouteDecision(family.fwd._name, signature(args), "kernel", "measured")]
+        return [RouteDecision(family.fwd._name, signature(args), "kernel", "timed")]
 
     monkeypatch.setattr(tune, "decide_routes", decide)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

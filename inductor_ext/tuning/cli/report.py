@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 from inductor_ext.tuning.routes import RouteDecision
 
 COLUMNS = ("op", "signature", "device", "kernel ms", "inductor ms", "choice", "speedup", "source")
-"""``kernel ms``/``inductor ms``: median, ± half the interdecile spread when measured. ``speedup``:
-the other route's time over the chosen one's. ``source``: ``measured`` (timed by
-this run), ``database`` (read from it), ``untuned`` (recorded on CPU, nothing timed)."""
+"""The two time columns: median milliseconds, ± half the interdecile spread when timed by this run.
+``speedup``: the other route's time over the chosen one's. ``source``: the decision's reason (timed by this
+run, read from the database, or ``untuned``: recorded on CPU, nothing timed)."""
 
 T = TypeVar("T")
 
