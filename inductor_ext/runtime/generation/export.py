@@ -7,7 +7,8 @@ of the weights (:mod:`inductor_ext.runtime.shared_weights`):
   (1..``max_seq_len``): the prefill is a call with the prompt's tokens, a decode step at any batch a
   call with one token per sequence; Inductor's multi-kernel picks each reduction's variant at run time.
 - ``"decode_batch_<n>"`` for each ``n`` of ``decode_batch_sizes`` (default: 1): a decode step at
-  batch ``n`` with static shapes, which the runtimes use for that batch. At batch 1 every projection
+  batch ``n`` with static shapes, which the runtimes use for that batch. Each compiles in a worker
+  process while this one compiles the dynamic graph (:mod:`inductor_ext.runtime.compile_worker`). At batch 1 every projection
   is a matrix-vector product: with static shapes Inductor writes it as a reduction that it fuses with
   its neighbours (the norm before it, the SiLU after it) and tunes by coordinate descent, where the
   dynamic graph calls cuBLAS.
@@ -17,6 +18,7 @@ the cache and stop generating is stored as the package's metadata (read by
 :func:`inductor_ext.runtime.generation.load_generation` and by the C++ loop, ``csrc/generate.cpp``).
 """
 
+import contextlib
 import inspect
 import operator
 import os
@@ -27,6 +29,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from inductor_ext.inductor.options import parse_options
+from inductor_ext.runtime.compile_worker import CompileJob
 from inductor_ext.runtime.export import compile_program, export_program
 from inductor_ext.runtime.generation.attention import check_attention_choice
 from inductor_ext.runtime.generation.cache_layout import kv_cache_shape
@@ -281,10 +284,14 @@ def export_generation(
             step = GenerationStep(model, attention=attention)
             program = export_program(step, tuple(example(batch, length).values()),
                                      dynamic_shapes=tuple(dynamic_shapes[name] for name in names))  # fmt: skip
-            models = {"model": compile_program(program, patches)}
-            for n in decode_batch_sizes:
-                static = export_program(step, tuple(example(n, 1).values()))
-                models[decode_graph_name(n)] = compile_program(static, {**DECODE_GRAPH_OPTIONS, **patches})
-            return write_package(Path(path), models, None if frozen else program_weights(program))
+            statics = {decode_graph_name(n): export_program(step, tuple(example(n, 1).values()))
+                       for n in decode_batch_sizes}  # fmt: skip
+            with contextlib.ExitStack() as jobs:
+                # each static graph compiles in a worker process while this one compiles the dynamic graph
+                started = {name: jobs.enter_context(CompileJob(static, {**DECODE_GRAPH_OPTIONS, **patches}, name))
+                           for name, static in statics.items()}  # fmt: skip
+                models = {"model": compile_program(program, patches)}
+                models.update({name: job.result() for name, job in started.items()})
+                return write_package(Path(path), models, None if frozen else program_weights(program))
     finally:
         model.train(was_training)
