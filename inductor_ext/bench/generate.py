@@ -34,9 +34,9 @@ process with empty Inductor and Triton caches and tuning database); the exportin
 compile timers the export advanced (``export_timers``, seconds per PyTorch and fastops timer). The
 floor of a decode step is the bytes it must read, the weights plus the filled part of the KV cache,
 over the copy bandwidth timed in the same process.
-On a GPU the Python-loop providers also profile the first batch size's decode: GPU time per token,
-per kernel class and the kernels that take most of it (``profile`` in the JSON), which tells
-launch and host gaps (wall time above GPU time) from slow kernels.
+On a GPU the Python-loop providers also profile each batch size's decode: GPU time per token, per
+kernel class and the kernels that take most of it, and the gap (wall time per token less GPU time:
+launches and host work the GPU waits for), as ``profile`` in the JSON.
 Writes ``generate_<model>.json`` and a plot to ``--out``.
 """
 
@@ -199,8 +199,10 @@ def run_provider(args: argparse.Namespace) -> dict[str, Any]:
         result[f"batch_{batch}"] = {"prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
                                     "floor_ms": floor_ms,
                                     "of_floor": floor_ms / decode_ms if floor_ms else None}  # fmt: skip
-        if device == "cuda" and not provider.startswith("package_cpp") and batch == args.batches[0]:
-            result[f"batch_{batch}"]["profile"] = decode_profile(generate, prompt, args.new)
+        if device == "cuda" and not provider.startswith("package_cpp"):
+            profile = decode_profile(generate, prompt, args.new)
+            profile["gap_us_per_token"] = decode_ms * 1e3 - profile["gpu_us_per_token"]
+            result[f"batch_{batch}"]["profile"] = profile
     return result
 
 
