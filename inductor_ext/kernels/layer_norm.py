@@ -44,6 +44,7 @@ The looped kernels hint that the first walk's loads stay in L2 for the second.
 import triton
 import triton.language as tl
 
+from inductor_ext.kernels.norm_rows import load_bwd_row_block, load_bwd_row_chunk, row_block_mask
 from inductor_ext.tuning.search_spaces.norm import autotune_kwargs
 
 
@@ -83,9 +84,7 @@ def layer_norm_fwd_kernel(
         if HAS_BIAS:
             b = tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows[:, None].to(tl.int64)
+        row_mask, mask, rows64 = row_block_mask(rows, col_mask, M)
         # statistics: mean, then the centred sum of squares (padding lanes excluded)
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / N
@@ -140,13 +139,8 @@ def layer_norm_fwd_kernel(
 @triton.jit
 def _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
     """x, dy (storage dtype), mean and rstd of a block of rows; rows past M read as zeros."""
-    row_mask = rows < M
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows[:, None].to(tl.int64)
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
-    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    x, dy, rstd = load_bwd_row_block(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
+    mean = tl.load(MEAN + rows, mask=rows < M, other=0.0)
     return x, dy, mean, rstd
 
 
@@ -197,9 +191,7 @@ def layer_norm_bwd_kernel(
                 x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
-            row_mask = rows < M
-            mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows[:, None].to(tl.int64)
+            _row_mask, mask, rows64 = row_block_mask(rows, col_mask, M)
             rows += num_programs * BLOCK_M
             xhat = (x - mean[:, None]) * rstd[:, None]
             g = dy * w if HAS_WEIGHT else dy
@@ -232,31 +224,21 @@ def layer_norm_bwd_kernel(
             acc_gxhat = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                x = x.to(tl.float32)
-                dy = dy.to(tl.float32)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                cols, col_mask, x, dy, w = load_bwd_row_chunk(
+                    X, DY, W, row64, stride_x, stride_dy, start, N, BLOCK_N, HAS_WEIGHT, "evict_last"
+                )
+                g = dy * w if HAS_WEIGHT else dy
                 acc_gxhat += g * ((x - mean) * rstd)
                 acc_g += g
             c1 = tl.sum(acc_gxhat, axis=0) / N
             c2 = tl.sum(acc_g, axis=0) / N
             # walk 2: dx, and dy * xhat, dy into this program's partials (x, dy come back from L2)
             for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
-                x = x.to(tl.float32)
-                dy = dy.to(tl.float32)
+                cols, col_mask, x, dy, w = load_bwd_row_chunk(
+                    X, DY, W, row64, stride_x, stride_dy, start, N, BLOCK_N, HAS_WEIGHT, "evict_first"
+                )
                 xhat = (x - mean) * rstd
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                g = dy * w if HAS_WEIGHT else dy
                 if HAS_WEIGHT_GRAD:
                     dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)

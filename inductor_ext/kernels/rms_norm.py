@@ -42,6 +42,7 @@ over the rows, so each program's dw partial is written once, not once per row.
 import triton
 import triton.language as tl
 
+from inductor_ext.kernels.norm_rows import load_bwd_row_block, load_bwd_row_chunk, row_block_mask
 from inductor_ext.tuning.search_spaces.norm import autotune_kwargs
 
 
@@ -80,9 +81,7 @@ def rms_norm_fwd_kernel(
             w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
             w_eff = w.to(tl.float32)[None, :] + offset
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows[:, None].to(tl.int64)
+        row_mask, mask, rows64 = row_block_mask(rows, col_mask, M)
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
@@ -127,18 +126,6 @@ def rms_norm_fwd_kernel(
         tl.store(RSTD + pid, rstd)
 
 
-@triton.jit
-def _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M):
-    """x, dy (storage dtype) and rstd of a block of rows; rows past M read as zeros."""
-    row_mask = rows < M
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows[:, None].to(tl.int64)
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    return x, dy, rstd
-
-
 @triton.autotune(**autotune_kwargs(forward=False, key=["N", "HAS_WEIGHT", "HAS_DRES"]))
 @triton.jit
 def rms_norm_bwd_kernel(
@@ -169,22 +156,20 @@ def rms_norm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         if PREFETCH:
-            x_next, dy_next, rstd_next = _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
+            x_next, dy_next, rstd_next = load_bwd_row_block(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
         for _block in tl.range(pid, num_blocks, num_programs):
             if PREFETCH:
                 # software pipelining by hand: the next block's loads are issued
                 # before this block's reductions, so a program always has a row in flight
                 x, dy, rstd = x_next, dy_next, rstd_next
-                x_next, dy_next, rstd_next = _load_bwd_rows(
+                x_next, dy_next, rstd_next = load_bwd_row_block(
                     X, DY, RSTD, rows + num_programs * BLOCK_M, cols, col_mask, stride_x, stride_dy, M
                 )
             else:
-                x, dy, rstd = _load_bwd_rows(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
+                x, dy, rstd = load_bwd_row_block(X, DY, RSTD, rows, cols, col_mask, stride_x, stride_dy, M)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
-            row_mask = rows < M
-            mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows[:, None].to(tl.int64)
+            _row_mask, mask, rows64 = row_block_mask(rows, col_mask, M)
             rows += num_programs * BLOCK_M
             xhat = x * rstd[:, None]
             g = dy * w_eff if HAS_WEIGHT else dy
@@ -210,31 +195,20 @@ def rms_norm_bwd_kernel(
             # pass 1: c1 = mean(g * xhat)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                x = x.to(tl.float32)
-                dy = dy.to(tl.float32)
-                g = dy
-                if HAS_WEIGHT:
-                    w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                    g = dy * (w.to(tl.float32) + offset)
+                cols, col_mask, x, dy, w = load_bwd_row_chunk(
+                    X, DY, W, row64, stride_x, stride_dy, start, N, BLOCK_N, HAS_WEIGHT, "evict_last"
+                )
+                g = dy * (w + offset) if HAS_WEIGHT else dy
                 acc += g * x * rstd
             c1 = tl.sum(acc, axis=0) / N
             # pass 2: dx, and dy * xhat into this program's dw partial (x, dy come back from L2)
             for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=col_mask, other=0.0, eviction_policy="evict_first")
-                x = x.to(tl.float32)
-                dy = dy.to(tl.float32)
+                cols, col_mask, x, dy, w = load_bwd_row_chunk(
+                    X, DY, W, row64, stride_x, stride_dy, start, N, BLOCK_N, HAS_WEIGHT, "evict_first"
+                )
                 xhat = x * rstd
-                g = dy
+                g = dy * (w + offset) if HAS_WEIGHT else dy
                 if HAS_WEIGHT:
-                    w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                    g = dy * (w.to(tl.float32) + offset)
                     dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
                     tl.store(dw_row + cols, dw + dy * xhat, mask=col_mask)
                 dx = rstd * (g - xhat * c1)
