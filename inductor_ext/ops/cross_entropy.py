@@ -61,8 +61,19 @@ REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LABEL_DTYPES = (torch.int64, torch.int32)
 
+CeOptions = tuple[int, float, float, float]
+"""(ignore_index, label_smoothing, lse_square_scale, softcap): the loss options of the kernels and their
+aten math, as the ops take them (``softcap = 0``: no soft-capping)."""
+
 
 # --- shared pieces (also used by fused linear cross-entropy) -------------------------------------
+
+
+def loss_options(
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float | None
+) -> CeOptions:
+    """A public function's loss arguments as the ops take them: Python int and floats, ``softcap=None`` as 0."""
+    return int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0)
 
 
 def count_non_ignored(labels: Tensor, ignore_index: int) -> Tensor:
@@ -98,10 +109,9 @@ def capped_logits(logits: Tensor, softcap: float) -> tuple[Tensor, Tensor | None
     return x, None
 
 
-def row_loss_and_lse_math(
-    logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float
-) -> tuple[Tensor, Tensor]:
+def row_loss_and_lse_math(logits: Tensor, labels: Tensor, options: CeOptions) -> tuple[Tensor, Tensor]:
     """Aten-only loss per row and log-sum-exp per row (both fp32): the forward kernel's math."""
+    ignore_index, label_smoothing, lse_square_scale, softcap = options
     v = logits.shape[-1]
     z, _t = capped_logits(logits, softcap)
     lse = torch.logsumexp(z, dim=-1)
@@ -116,16 +126,10 @@ def row_loss_and_lse_math(
 
 
 def grad_from_lse_math(
-    logits: Tensor,
-    labels: Tensor,
-    lse: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    grad_scale: Tensor | None,
+    logits: Tensor, labels: Tensor, lse: Tensor, options: CeOptions, grad_scale: Tensor | None
 ) -> Tensor:
     """Aten-only gradient (logits' dtype, times ``grad_scale``: None, 0-dim or per row): the backward kernel's math."""
+    ignore_index, label_smoothing, lse_square_scale, softcap = options
     v = logits.shape[-1]
     z, t = capped_logits(logits, softcap)
     in_range = (labels >= 0) & (labels < v)
@@ -142,19 +146,11 @@ def grad_from_lse_math(
 
 
 def row_loss_and_grad_math(
-    logits: Tensor,
-    labels: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    grad_scale: Tensor | None,
-    compute_grad: bool,
+    logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Loss per row (fp32) and, if asked, the gradient times ``grad_scale``: one chunk of fused linear cross-entropy."""
-    options = (ignore_index, label_smoothing, lse_square_scale, softcap)
-    loss, lse = row_loss_and_lse_math(logits, labels, *options)
-    return loss, grad_from_lse_math(logits, labels, lse, *options, grad_scale) if compute_grad else None
+    loss, lse = row_loss_and_lse_math(logits, labels, options)
+    return loss, grad_from_lse_math(logits, labels, lse, options, grad_scale) if compute_grad else None
 
 
 def launch_cross_entropy(
@@ -163,16 +159,14 @@ def launch_cross_entropy(
     dlogits: Tensor | None,
     row_loss: Tensor,
     labels: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
+    options: CeOptions,
     grad_scale: Tensor | None,
     lse: Tensor | None = None,
 ) -> None:
     """Row losses into ``row_loss``, the gradient into ``dlogits`` (``dlogits is logits``: in place;
     None: no gradient) and, if given, row log-sum-exps into ``lse``. ``grad_scale``: None, 0-dim,
     or one value per row."""
+    _ignore_index, label_smoothing, _lse_square_scale, softcap = options
     n, v = logits.shape
     scale_stride = grad_scale.stride(0) if grad_scale is not None and grad_scale.dim() else 0
     common = {
@@ -180,7 +174,7 @@ def launch_cross_entropy(
         "HAS_SMOOTHING": label_smoothing > 0,
         "HAS_SOFTCAP": softcap > 0,
     }
-    scalars = (v, ignore_index, label_smoothing, lse_square_scale, softcap)
+    scalars = (v, *options)
     kernel = cross_entropy_fwd_inplace_kernel if dlogits is logits else cross_entropy_fwd_kernel
     launch(
         kernel, lambda meta: (n,),
@@ -237,28 +231,18 @@ def cross_entropy_fwd_math(
 ) -> tuple[Tensor, Tensor]:
     """Aten-only forward (CPU branch and the backend's decomposition), computed in fp32."""
     count = count_non_ignored(labels, ignore_index)
-    row_loss, lse = row_loss_and_lse_math(logits, labels, ignore_index, label_smoothing, lse_square_scale, softcap)
+    row_loss, lse = row_loss_and_lse_math(logits, labels, (ignore_index, label_smoothing, lse_square_scale, softcap))
     return reduce_loss(row_loss, count, reduction), lse
 
 
-def cross_entropy_fwd_kernels(
-    launch: Launch,
-    logits: Tensor,
-    labels: Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    reduction: str,
-) -> tuple[Tensor, Tensor]:
+def cross_entropy_fwd_kernels(launch: Launch, logits: Tensor, labels: Tensor, *options: Any) -> tuple[Tensor, Tensor]:
+    """:func:`cross_entropy_fwd_math`'s arguments after ``launch``; row losses and log-sum-exps by the forward kernel."""
+    *ce_options, reduction = options
     logits, labels = unit_last_stride(logits), labels.contiguous()
-    count = count_non_ignored(labels, ignore_index)
+    count = count_non_ignored(labels, ce_options[0])
     row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
     lse = logits.new_empty(labels.shape, dtype=torch.float32)
-    launch_cross_entropy(
-        launch, logits, None, row_loss, labels,
-        ignore_index, label_smoothing, lse_square_scale, softcap, None, lse,
-    )  # fmt: skip
+    launch_cross_entropy(launch, logits, None, row_loss, labels, tuple(ce_options), None, lse)
     return reduce_loss(row_loss, count, reduction), lse
 
 
@@ -275,7 +259,7 @@ def cross_entropy_bwd_math(
 ) -> Tensor:
     """Aten-only backward: the gradient of ``grad_output * loss`` from the logits and their row log-sum-exps."""
     scale = backward_grad_scale(grad_output, labels, ignore_index, reduction)
-    return grad_from_lse_math(logits, labels, lse, ignore_index, label_smoothing, lse_square_scale, softcap, scale)
+    return grad_from_lse_math(logits, labels, lse, (ignore_index, label_smoothing, lse_square_scale, softcap), scale)
 
 
 def launch_cross_entropy_bwd(
@@ -485,7 +469,10 @@ def check_labels(op: str, labels: Any, expected_shape: torch.Size, device: torch
 
 
 def check_labels_in_range(op: str, labels: Tensor, num_classes: int, ignore_index: int) -> None:
-    """CPU eager only (a host check on a CPU tensor): labels outside ``[0, V)`` other than ignore_index raise."""
+    """Labels outside ``[0, V)`` other than ignore_index raise ``ValueError``; checked in CPU eager only (the
+    host reads the labels: on CUDA that would sync, and under tracing it would depend on data)."""
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
     if bool(bad.any()):
         position = int(bad.nonzero()[0, 0])
@@ -547,9 +534,8 @@ def cross_entropy(
     logits2d = logits if logits.dim() == 2 else logits.reshape(-1, num_classes)
     labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
     logits2d = unit_last_stride(logits2d)
-    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
-    options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction)
+    check_labels_in_range("cross_entropy", labels1d, num_classes, ignore_index)
+    options = (*loss_options(ignore_index, label_smoothing, lse_square_scale, softcap), reduction)
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not logits.is_leaf:
         loss = _CrossEntropyInplace.apply(logits2d, labels1d, *options)
     else:

@@ -83,6 +83,7 @@ from inductor_ext.library.registration import backward_may_overwrite_saved, defi
 from inductor_ext.library.sharding import Placements, Strategy, replicated, shard_inputs, sharding_rule
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
+    CeOptions,
     check_labels,
     check_labels_in_range,
     check_loss_options,
@@ -90,13 +91,11 @@ from inductor_ext.ops.cross_entropy import (
     cross_entropy_ref,
     launch_cross_entropy,
     launch_scale_rows,
+    loss_options,
     loss_placement,
     reduce_loss,
     row_loss_and_grad_math,
 )
-
-CeOptions = tuple[int, float, float, float]
-"""(ignore_index, label_smoothing, lse_square_scale, softcap)."""
 
 ChunkLoss = Callable[[Tensor, Tensor, CeOptions, Tensor | None, bool], tuple[Tensor, Tensor | None]]
 """(chunk logits, chunk labels, options, grad scale, compute_grad) -> (row losses fp32, dlogits or None).
@@ -117,19 +116,13 @@ memory the op adds; ``"fp32"``'s default is the weight's size (``C = H``), which
 accumulator (twice the weight) dwarfs anyway."""
 
 
-def _math_chunk_loss(
-    logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
-) -> tuple[Tensor, Tensor | None]:
-    return row_loss_and_grad_math(logits, labels, *options, grad_scale, compute_grad)
-
-
 def _kernel_chunk_loss(launch: Launch) -> ChunkLoss:
     def chunk_loss(
         logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
     ) -> tuple[Tensor, Tensor | None]:
         row_loss = logits.new_empty(labels.shape, dtype=torch.float32)
         dlogits = logits if compute_grad else None
-        launch_cross_entropy(launch, logits, dlogits, row_loss, labels, *options, grad_scale)
+        launch_cross_entropy(launch, logits, dlogits, row_loss, labels, options, grad_scale)
         return row_loss, dlogits
 
     return chunk_loss
@@ -328,7 +321,7 @@ def fused_linear_cross_entropy_fwd_math(
     """Aten-only forward (CPU branch and decomposition): the same chunk loop, cross-entropy in aten ops."""
     args = (hidden, weight, labels, bias, ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
             chunk_size, weight_grad_accumulation, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-    return _forward(_math_chunk_loss, args)
+    return _forward(row_loss_and_grad_math, args)
 
 
 def fused_linear_cross_entropy_fwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -379,7 +372,7 @@ def fused_linear_cross_entropy_bwd_math(
     args = (grad_output, hidden, weight, labels, bias, dhidden, dweight, dbias, ignore_index, label_smoothing,
             lse_square_scale, softcap, reduction, chunk_size, weight_grad_accumulation, grad_hidden, grad_weight,
             grad_bias)  # fmt: skip
-    return _backward_impl(_scale_math, _math_chunk_loss, args)
+    return _backward_impl(_scale_math, row_loss_and_grad_math, args)
 
 
 def fused_linear_cross_entropy_bwd_kernels(launch: Launch, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
@@ -636,15 +629,14 @@ def fused_linear_cross_entropy(
     )
     hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
     labels1d = labels if labels.dim() == 1 else labels.reshape(-1)
-    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_labels_in_range("fused_linear_cross_entropy", labels1d, num_classes, ignore_index)
+    check_labels_in_range("fused_linear_cross_entropy", labels1d, num_classes, ignore_index)
     grad_enabled = torch.is_grad_enabled()
     grads = (
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    options = (int(ignore_index), float(label_smoothing), float(lse_square_scale), float(softcap or 0.0))
+    options = loss_options(ignore_index, label_smoothing, lse_square_scale, softcap)
     loss, *_grads = fused_linear_cross_entropy_family(
         hidden2d, weight, labels1d, bias, *options, reduction, chunk, weight_grad_accumulation, *grads
     )
@@ -652,23 +644,12 @@ def fused_linear_cross_entropy(
 
 
 def fused_linear_cross_entropy_ref(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Tensor | None = None,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, **loss_kwargs: Any
 ) -> Tensor:
-    """Plain PyTorch, HF's spelling: ``F.linear`` in the inputs' dtype, then the cross-entropy reference."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    return cross_entropy_ref(
-        logits, labels, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale, softcap=softcap,
-    )  # fmt: skip
+    """Plain PyTorch, HF's spelling: ``F.linear`` in the inputs' dtype, then :func:`cross_entropy_ref` with
+    ``loss_kwargs`` (its keywords: ``ignore_index``, ``reduction``, ``label_smoothing``, ``lse_square_scale``,
+    ``softcap``)."""
+    return cross_entropy_ref(torch.nn.functional.linear(hidden, weight, bias), labels, **loss_kwargs)
 
 
 __all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_family", "fused_linear_cross_entropy_ref"]

@@ -33,19 +33,21 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from inductor_ext.ops._layout import unit_last_stride
 from inductor_ext.ops.cross_entropy import (
     SUPPORTED_DTYPES,
+    CeOptions,
     capped_logits,
     check_labels,
     check_labels_in_range,
     check_loss_options,
     count_and_grad_scale,
     count_non_ignored,
+    loss_options,
     reduce_loss,
 )
 from inductor_ext.ops.fused_linear_cross_entropy import (
     WEIGHT_GRAD_ACCUMULATIONS,
-    CeOptions,
     ChunkLoss,
     chunked_loss_and_grads,
     resolve_chunk_size,
@@ -66,11 +68,13 @@ class VocabShard(NamedTuple):
 
 
 def _global_row_loss(
-    logits: Tensor, labels: Tensor, shard: VocabShard, ignore_index: int, lse_square_scale: float, softcap: float
+    logits: Tensor, labels: Tensor, shard: VocabShard, options: CeOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(local labels, global lse, row losses) of one rank's ``(N, V_r)`` logits: the module's forward."""
+    """(local labels, global lse, row losses) of one rank's ``(N, V_r)`` logits: the module's forward
+    (``options``' label smoothing is 0)."""
     from torch.distributed import _functional_collectives as funcol
 
+    ignore_index, _smoothing, lse_square_scale, softcap = options
     local_classes = logits.shape[1]
     ignored = labels == ignore_index
     held = (labels >= shard.offset) & (labels < shard.offset + local_classes) & ~ignored
@@ -100,24 +104,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits: Tensor,
         labels: Tensor,
         shard: VocabShard,
-        ignore_index: int,
+        options: CeOptions,
         reduction: str,
-        lse_square_scale: float,
-        softcap: float,
     ) -> Tensor:
-        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
+        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, options)
         ctx.save_for_backward(logits, local_labels, lse)
-        ctx.options = (lse_square_scale, softcap, reduction)
-        return reduce_loss(row_loss, count_non_ignored(labels, ignore_index), reduction)
+        ctx.options = (options, reduction)
+        return reduce_loss(row_loss, count_non_ignored(labels, options[0]), reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits, local_labels, lse = ctx.saved_tensors
-        lse_square_scale, softcap, reduction = ctx.options
+        (_ignore_index, _smoothing, lse_square_scale, softcap), reduction = ctx.options
         dlogits = torch.ops.fastops.cross_entropy_bwd(
             grad_output, logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, reduction
         )
-        return dlogits, None, None, None, None, None, None
+        return dlogits, None, None, None, None
 
 
 def _chunk_loss(shard: VocabShard) -> ChunkLoss:
@@ -127,12 +129,12 @@ def _chunk_loss(shard: VocabShard) -> ChunkLoss:
     def chunk_loss(
         logits: Tensor, labels: Tensor, options: CeOptions, grad_scale: Tensor | None, compute_grad: bool
     ) -> tuple[Tensor, Tensor | None]:
-        ignore_index, _smoothing, lse_square_scale, softcap = options
-        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, ignore_index, lse_square_scale, softcap)
+        local_labels, lse, row_loss = _global_row_loss(logits, labels, shard, options)
         if not compute_grad:
             return row_loss, None
         # grad_scale: None ("sum") or the mean's 0-dim 1 / count; "sum" multiplies every row by it
         scale = logits.new_ones((), dtype=torch.float32) if grad_scale is None else grad_scale
+        _ignore_index, _smoothing, lse_square_scale, softcap = options
         torch.ops.fastops.cross_entropy_bwd_inplace(
             scale, logits, local_labels, lse, LOCAL_IGNORE_INDEX, 0.0, lse_square_scale, softcap, "sum"
         )
@@ -262,14 +264,10 @@ def vocab_parallel_cross_entropy(
     check_loss_options(op, ignore_index, reduction, 0.0, lse_square_scale, softcap)
     num_classes = logits.shape[-1]
     shard = _vocab_shard(op, num_classes, mesh, local.shape[-1])
-    if local.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_labels_in_range(op, labels, num_classes, int(ignore_index))
-    local2d = local.reshape(-1, local.shape[-1])
-    if local2d.stride(-1) != 1:
-        local2d = local2d.contiguous()
-    loss = _VocabParallelCrossEntropy.apply(
-        local2d, labels.reshape(-1), shard, int(ignore_index), reduction, float(lse_square_scale), float(softcap or 0.0)
-    )
+    check_labels_in_range(op, labels, num_classes, int(ignore_index))
+    options = loss_options(ignore_index, 0.0, lse_square_scale, softcap)
+    local2d = unit_last_stride(local.reshape(-1, local.shape[-1]))
+    loss = _VocabParallelCrossEntropy.apply(local2d, labels.reshape(-1), shard, options, reduction)
     if reduction == "none":
         loss = loss.view(labels.shape)
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
@@ -331,12 +329,11 @@ def vocab_parallel_fused_linear_cross_entropy(
         raise ValueError(f"{op}: chunk_size must be None or a positive int, got {chunk_size!r}")
     num_classes, hidden_size = weight.shape
     shard = _vocab_shard(op, num_classes, mesh, local_weight.shape[0])
-    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-        check_labels_in_range(op, labels, num_classes, int(ignore_index))
+    check_labels_in_range(op, labels, num_classes, int(ignore_index))
     chunk = resolve_chunk_size(
         local_weight.shape[0], hidden_size, hidden.element_size(), chunk_size, None, weight_grad_accumulation
     )
-    options = (int(ignore_index), 0.0, float(lse_square_scale), float(softcap or 0.0))
+    options = loss_options(ignore_index, 0.0, lse_square_scale, softcap)
     loss = _VocabParallelFusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden_size), local_weight, labels.reshape(-1), shard, options, reduction, chunk,
         weight_grad_accumulation,
