@@ -53,7 +53,7 @@ def _no_export(monkeypatch):
     def traced(*args, **kwargs):
         raise AssertionError("traced")
 
-    for name in ("GenerationStep", "export_program", "compile_program", "write_package"):
+    for name in ("GenerationStep", "export_program", "CompileJob", "compile_program", "write_package"):
         monkeypatch.setattr(export_module, name, traced)
 
 
