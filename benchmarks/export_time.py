@@ -96,6 +96,16 @@ def timed_export(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     profiles: dict[str, str] = {}
     compile_program, export_program = generation_export.compile_program, generation_export.export_program
 
+    def record_timers(graph: str, before: dict[str, float]) -> None:
+        """``graph``'s phases and Inductor's timers from the compile timers advanced since ``before``."""
+        split = compile_split(before)  # passes, route timing, Inductor and its parts, from the compile timers
+        # no Dynamo in an export, and AOTInductor compiles the forward outside AOTAutograd's dispatcher, so
+        # compile_split's subtraction does not hold: AOTAutograd's own timer is among inductor_timers
+        clock.seconds[graph].update({k: v for k, v in split.items() if k not in ("dynamo", "aot_autograd", "passes")})
+        clock.seconds[graph]["passes"] = sum(split["passes"].values())
+        spent = {k: v - before.get(k, 0.0) for k, v in timer_seconds().items()}
+        inductor_timers[graph] = {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda i: -i[1]) if v > 0.2}
+
     def compile_graph(program: torch.export.ExportedProgram, options: Any = None) -> Any:
         clock.graph = _graph_name(program)
         before = timer_seconds()
@@ -116,17 +126,7 @@ def timed_export(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             profiles[clock.graph] = text.getvalue()
             # printed now as well: a run cut short keeps it
             print(f"profile of {clock.graph}:\n{profiles[clock.graph]}", file=sys.stderr, flush=True)
-        split = compile_split(before)  # passes, route timing, Inductor and its parts, from the compile timers
-        # no Dynamo in an export, and AOTInductor compiles the forward outside AOTAutograd's dispatcher, so
-        # compile_split's subtraction does not hold: AOTAutograd's own timer is among inductor_timers
-        clock.seconds[clock.graph].update(
-            {k: v for k, v in split.items() if k not in ("dynamo", "aot_autograd", "passes")}
-        )
-        clock.seconds[clock.graph]["passes"] = sum(split["passes"].values())
-        spent = {k: v - before.get(k, 0.0) for k, v in timer_seconds().items()}
-        inductor_timers[clock.graph] = {
-            k: round(v, 2) for k, v in sorted(spent.items(), key=lambda i: -i[1]) if v > 0.2
-        }
+        record_timers(clock.graph, before)
         clock.graph = "package"
         return files
 
@@ -148,15 +148,8 @@ def timed_export(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         def result(self) -> list[Any]:
             before = timer_seconds()
             files = super().result()
-            phases = clock.seconds[self._graph]
-            phases["compile in a worker (from its start)"] = time.perf_counter() - self._start
-            phases.update(
-                {k: v for k, v in compile_split(before).items() if k not in ("dynamo", "aot_autograd", "passes")}
-            )
-            spent = {k: v - before.get(k, 0.0) for k, v in timer_seconds().items()}
-            inductor_timers[self._graph] = {
-                k: round(v, 2) for k, v in sorted(spent.items(), key=lambda i: -i[1]) if v > 0.2
-            }
+            clock.seconds[self._graph]["compile in a worker (from its start)"] = time.perf_counter() - self._start
+            record_timers(self._graph, before)
             return files
 
     patches = [

@@ -165,14 +165,15 @@ def parse_options(
     return BackendOptions(default_route, routes, multi_kernel, cpp_wrapper, bool(assume_no_padding), enabled), options
 
 
-def _renamed_options(ours: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _renamed_options(ours: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], Mapping[str, str]]:
     """``ours`` and ``env`` with each old option name of :data:`RENAMED_OPTIONS` (and its variable) under its
     new name, with a ``FutureWarning``; the old and the new name together is an error."""
 
-    def rename(given: Mapping[str, Any], old: str, new: str, shown: str) -> dict[str, Any]:
-        """``given`` with its key ``old`` as ``new`` (``shown`` formats a key as the user spelled it)."""
+    def rename(given: Mapping[str, Any], old: str, new: str, shown: str) -> Mapping[str, Any]:
+        """``given`` with its key ``old`` as ``new`` (``shown`` formats a key as the user spelled it); ``given``
+        itself when it has no ``old``."""
         if old not in given:
-            return dict(given)
+            return given
         old_shown, new_shown = shown.format(old), shown.format(new)
         if new in given:
             raise ValueError(f"fastops_inductor: {old_shown} is the old name of {new_shown}; give only {new_shown}")
@@ -184,9 +185,9 @@ def _renamed_options(ours: dict[str, Any], env: Mapping[str, str]) -> tuple[dict
         return {**{key: value for key, value in given.items() if key != old}, new: given[old]}
 
     for old, new in RENAMED_OPTIONS.items():
-        ours = rename(ours, old, new, _PREFIX + "{}")
+        ours = dict(rename(ours, old, new, _PREFIX + "{}"))
         env = rename(env, f"INDUCTOR_EXT_{old.upper()}", PASSES[new].env_var, "{}")
-    return ours, dict(env)
+    return ours, env
 
 
 def options_table() -> str:

@@ -53,11 +53,6 @@ def _room_for_a_copy(program: torch.export.ExportedProgram) -> bool:
     return all(torch.cuda.mem_get_info(device)[0] >= 2 * size for device in devices)
 
 
-def _timers() -> dict[str, float]:
-    """Seconds per compile timer so far in this process."""
-    return {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
-
-
 class CompileJob:
     """``compile_program(program, options)`` started now in a worker process; :meth:`result` waits for it.
 
@@ -100,7 +95,7 @@ class CompileJob:
             if code == 0:
                 done = json.loads((folder / "result.json").read_text())
                 for key, seconds in done["timers"].items():
-                    compilation_time_metrics.setdefault(key, []).append(seconds)
+                    compilation_time_metrics.setdefault(key, []).extend(seconds)
                 return list(done["files"])
             tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
             self._in_caller_because(f"its worker process failed (exit code {code}):\n" + "\n".join(tail))
@@ -126,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     job = pickle.loads((folder / "job.pkl").read_bytes())  # written by CompileJob in the calling process
     torch._inductor.config.load_config(job["inductor_config"])
     program = torch.export.load(folder / "program.pt2")
-    before = _timers()
+    counts = {key: len(values) for key, values in compilation_time_metrics.items()}
     files = compile_program(program, job["options"])
     if not all(isinstance(file, str) for file in files):
         raise TypeError(f"compile_worker: compile_program returned non-path files {[type(f).__name__ for f in files]}")
-    timers = {key: seconds - before.get(key, 0.0) for key, seconds in _timers().items()}
-    result = {"files": files, "timers": {key: seconds for key, seconds in timers.items() if seconds > 0}}
+    # the timings this compile added to each timer, as the caller's own compile would have added them
+    timers = {key: values[counts.get(key, 0) :] for key, values in compilation_time_metrics.items()}
+    result = {"files": files, "timers": {key: seconds for key, seconds in timers.items() if seconds}}
     (folder / "result.json").write_text(json.dumps(result))
     return 0
 
